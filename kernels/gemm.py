@@ -1,0 +1,146 @@
+"""Triton FP8 GEMM: C = (A * scale_a) @ (B * scale_b).T with fp32 accumulation.
+
+Twin: gemm_reference.py. A (M, K) and B (N, K) are both K-major, the layout Hopper's FP8 tensor-core
+instructions want. Scale modes (scaling.GemmScaleMode):
+  tensorwise / rowwise  acc = sum_k A.B over all of K, then acc * sa[m] * sb[n] in the epilogue;
+  blockwise             each 128-wide K step's partial product is scaled by its own sa[m, k] * sb[n(/128), k]
+                        before it joins the fp32 accumulator (DeepSeek-V3's promotion of partial sums).
+The epilogue adds the bias and, for wgrad across micro-batches, the existing contents of C.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .quantize import _interpreting
+from .scaling import BLOCK, GemmScaleMode, check_gemm_args
+
+_MODE = {
+    GemmScaleMode.TENSORWISE: 0,
+    GemmScaleMode.ROWWISE: 1,
+    GemmScaleMode.BLOCKWISE: 2,
+    GemmScaleMode.BLOCKWISE_1X128: 3,
+}
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, K,
+                     stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+                     SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped launch order: GROUP_M row-blocks share each B column-block while it is hot in L2.
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * grid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) view of K-major B
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_step in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k_step * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if SCALE_MODE >= 2:
+            # BLOCK_K == 128: this step is exactly one scale group along K.
+            sa = tl.load(sa_ptr + offs_m * stride_sa + k_step, mask=m_ok, other=0.0)
+            if SCALE_MODE == 2:
+                sb = tl.load(sb_ptr + (offs_n // 128) * stride_sb + k_step, mask=n_ok, other=0.0)
+            else:
+                sb = tl.load(sb_ptr + offs_n * stride_sb + k_step, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    # ---- epilogue ----
+    if SCALE_MODE == 0:
+        acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+    elif SCALE_MODE == 1:
+        sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    c_mask = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _config(bm, bn, bk, stages, warps, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages, num_warps=warps)
+
+
+# Hopper (sm_90): large tiles, deep pipelines; BLOCK_K is 128 so blockwise scaling has one group per step.
+_SM90_CONFIGS = [
+    _config(128, 256, 128, 3, 8),
+    _config(256, 128, 128, 3, 8),
+    _config(128, 128, 128, 4, 8),
+    _config(128, 128, 128, 3, 4),
+    _config(64, 128, 128, 4, 4),
+    _config(128, 64, 128, 4, 4),
+]
+# Other GPUs (Ada sm_89 and anything else with FP8 dots): smaller tiles that fit less shared memory.
+_FALLBACK_CONFIGS = [
+    _config(128, 128, 128, 3, 8),
+    _config(128, 64, 128, 3, 4),
+    _config(64, 64, 128, 4, 4),
+]
+_INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": BLOCK, "GROUP_M": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned_kernel(hopper: bool):
+    return triton.autotune(
+        configs=_SM90_CONFIGS if hopper else _FALLBACK_CONFIGS,
+        key=["M", "N", "K", "SCALE_MODE", "ACCUMULATE"],
+        restore_value=["c_ptr"],  # tuning runs the kernel many times; accumulate must see C once
+    )(_fp8_gemm_kernel)
+
+
+def fp8_gemm_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Triton twin of `fp8_gemm_reference` (same arguments)."""
+    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
+    a, b = a.contiguous(), b.contiguous()
+    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+    (M, K), N = a.shape, b.shape[0]
+    if out is None:
+        out = torch.empty((M, N), device=a.device, dtype=out_dtype)
+    elif not out.is_contiguous():
+        raise ValueError("fp8_gemm's `out` must be contiguous")
+    args = (a, b, out, bias if bias is not None else out, scale_a, scale_b, M, N, K,
+            a.stride(0), b.stride(0), out.stride(0),
+            scale_a.stride(0) if scale_a.dim() == 2 else 0, scale_b.stride(0) if scale_b.dim() == 2 else 0)
+    meta = dict(SCALE_MODE=_MODE[mode], HAS_BIAS=bias is not None, ACCUMULATE=accumulate)
+    if _interpreting():
+        grid = (triton.cdiv(M, 32) * triton.cdiv(N, 32),)
+        _fp8_gemm_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
+        return out
+    hopper = torch.cuda.get_device_capability(a.device)[0] == 9
+    grid = lambda cfg: (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
+    _autotuned_kernel(hopper)[grid](*args, **meta)
+    return out

@@ -1,0 +1,253 @@
+"""Triton FP8 quantization: amax -> scale -> saturating cast, with an optional fused transpose.
+
+Twin: quantize_reference.py (same signature, same bits). Every launch works on 128x128 tiles:
+- block granularities are one fused pass (a tile holds whole groups: 1x128 rows, 128x1 columns for the
+  transposed copy, or one 128x128 block);
+- tensorwise and rowwise current scaling need the amax of a whole tensor/row first, so they run a tile
+  amax pass, reduce the partials, then the cast pass;
+- a given scale (delayed scaling) is one pass that also returns the tensor amax for the next update.
+The transposed copy (x.T in FP8, K-major for dgrad/wgrad) is written from the same registers.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .scaling import (
+    BLOCK,
+    FLOAT32_MAX,
+    Fp8Quantized,
+    Granularity,
+    check_quantize_args,
+    granularity,
+    scale_shape,
+)
+
+TILE = BLOCK
+_FLOAT32_MAX = tl.constexpr(FLOAT32_MAX)
+_MODE = {  # constexpr codes for the cast kernel
+    Granularity.TENSORWISE: 0,
+    Granularity.ROWWISE: 1,
+    Granularity.BLOCK_1X128: 2,
+    Granularity.BLOCK_128X128: 3,
+}
+_GIVEN_SCALE = 4
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_fp8_dtype(dtype: torch.dtype):
+    return tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
+
+
+# ----------------------------------------------------------------------------------------------------
+# jit helpers: the same rules as quantize_reference.py, written for tiles
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _nan_max(a, axis: tl.constexpr):
+    # max of |x| that returns NaN when a NaN is present (GPU max instructions drop NaN).
+    has_nan = tl.max((a != a).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(a, axis=axis))
+
+
+@triton.jit
+def _scale_from_amax(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)  # IEEE division, like torch
+    scale = tl.where(amax == 0, 1.0, scale)
+    scale = tl.minimum(scale, _FLOAT32_MAX)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(amax < float("inf"), scale, float("nan"))  # amax is >= 0, NaN or inf
+
+
+@triton.jit
+def _reciprocal(scale):
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _round_to_fp8_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    # Round-to-nearest-even onto the FP8 grid in fp32 arithmetic. Used under the interpreter, whose
+    # fp32->fp8 conversion drops the carry into the exponent (127.9 -> 120 instead of 128); on GPU
+    # the hardware cvt.rn already rounds correctly and this is skipped.
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    quantum_exp = tl.maximum(exponent, EMIN) - MBITS  # spacing of the FP8 grid around y
+    quantum = ((quantum_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_quantum = ((127 - quantum_exp) << 23).to(tl.float32, bitcast=True)
+    steps = magnitude * inv_quantum  # exact: a power-of-two scaling
+    steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2**23: fp32 addition rounds to an even integer
+    rounded = (steps * quantum).to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp8_bits(y, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                 SOFTWARE_ROUNDING: tl.constexpr):
+    """Saturating fp32 -> FP8 cast, returned as uint8 bits (the kernels store through uint8 views)."""
+    is_nan = y != y
+    sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if SOFTWARE_ROUNDING:
+        y = _round_to_fp8_grid(y, MBITS, EMIN)
+    bits = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+    return tl.where(is_nan, sign | 0x7F, bits)  # 0x7F/0xFF is NaN in both E4M3FN and E5M2
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_amax_kernel(x_ptr, tile_amax_ptr, row_amax_ptr, col_amax_ptr, M, K,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Partial amaxes of one tile: of the tile, of each row, and (for rowwise transpose) of each column."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    a = tl.abs(tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32))
+    if ROWS:
+        tl.store(row_amax_ptr + offs_m * tl.num_programs(1) + pid_k, _nan_max(a, 1), mask=offs_m < M)
+    else:
+        tl.store(tile_amax_ptr + pid_m * tl.num_programs(1) + pid_k, _nan_max(_nan_max(a, 1), 0))
+    if COLS:
+        tl.store(col_amax_ptr + pid_m * K + offs_k, _nan_max(a, 0), mask=offs_k < K)
+
+
+@triton.jit
+def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, scale_inv_ptr, scale_inv_t_ptr,
+                      M, K, MODE: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
+                      FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                      SOFTWARE_ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Scale and cast one tile; writes the row-major bytes, optionally the transposed bytes, and scales.
+
+    MODE 0 tensorwise (amax precomputed), 1 rowwise (row/col amax precomputed), 2 block 1x128,
+    3 block 128x128, 4 given scale (writes the tile amax into amax_ptr for the delayed-scaling history).
+    """
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    n_k_tiles = tl.num_programs(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    row_ok, col_ok = offs_m < M, offs_k < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    if MODE == 0:
+        scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, POW2)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_inv_ptr, _reciprocal(scale))
+        y = x * scale
+    elif MODE == 1:
+        scale = _scale_from_amax(tl.load(amax_ptr + offs_m, mask=row_ok, other=0.0), FP8_MAX, POW2)
+        if pid_k == 0:
+            tl.store(scale_inv_ptr + offs_m, _reciprocal(scale), mask=row_ok)
+        y = x * scale[:, None]
+    elif MODE == 2:
+        row_amax = _nan_max(tl.abs(x), 1)
+        scale = _scale_from_amax(row_amax, FP8_MAX, POW2)
+        tl.store(amax_ptr + offs_m * n_k_tiles + pid_k, row_amax, mask=row_ok)
+        tl.store(scale_inv_ptr + offs_m * n_k_tiles + pid_k, _reciprocal(scale), mask=row_ok)
+        y = x * scale[:, None]
+    elif MODE == 3:
+        tile_amax = _nan_max(_nan_max(tl.abs(x), 1), 0)
+        scale = _scale_from_amax(tile_amax, FP8_MAX, POW2)
+        tl.store(amax_ptr + pid_m * n_k_tiles + pid_k, tile_amax)
+        tl.store(scale_inv_ptr + pid_m * n_k_tiles + pid_k, _reciprocal(scale))
+        y = x * scale
+    else:
+        scale = tl.load(scale_ptr)
+        tl.store(amax_ptr + pid_m * n_k_tiles + pid_k, _nan_max(_nan_max(tl.abs(x), 1), 0))
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_inv_ptr, _reciprocal(scale))
+        y = x * scale
+    q = _to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+    tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
+
+    if TRANSPOSE:
+        t_mask = col_ok[:, None] & row_ok[None, :]
+        t_ptrs = qt_ptr + offs_k[:, None] * M + offs_m[None, :]
+        if MODE == 1 or MODE == 2:
+            # The transposed copy has its own groups: whole columns (rowwise) or 128x1 (block 1x128).
+            if MODE == 1:
+                col_scale = _scale_from_amax(tl.load(col_amax_ptr + offs_k, mask=col_ok, other=0.0), FP8_MAX, POW2)
+                if pid_m == 0:
+                    tl.store(scale_inv_t_ptr + offs_k, _reciprocal(col_scale), mask=col_ok)
+            else:
+                col_scale = _scale_from_amax(_nan_max(tl.abs(x), 0), FP8_MAX, POW2)
+                tl.store(scale_inv_t_ptr + offs_k * tl.num_programs(0) + pid_m, _reciprocal(col_scale), mask=col_ok)
+            qt = _to_fp8_bits(tl.trans(x) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+            tl.store(t_ptrs, qt, mask=t_mask)
+        else:
+            tl.store(t_ptrs, tl.trans(q), mask=t_mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------
+def quantize_triton(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    granularity_: str | Granularity = Granularity.TENSORWISE,
+    *,
+    power_of_2_scale: bool = False,
+    scale: torch.Tensor | None = None,
+    transpose: bool = False,
+) -> Fp8Quantized:
+    """Triton twin of `quantize_reference` (same arguments, same bits)."""
+    gran = granularity(granularity_)
+    fmt = check_quantize_args(x, fp8_dtype, gran, scale)
+    x = x.contiguous()
+    M, K = x.shape
+    dev = x.device
+    grid = (triton.cdiv(M, TILE), triton.cdiv(K, TILE))
+    f32 = dict(device=dev, dtype=torch.float32)
+
+    data = torch.empty((M, K), device=dev, dtype=fp8_dtype)
+    data_t = torch.empty((K, M), device=dev, dtype=fp8_dtype) if transpose else None
+    scale_inv = torch.empty(scale_shape(M, K, gran), **f32)
+    scale_inv_t = None
+    if transpose and gran in (Granularity.ROWWISE, Granularity.BLOCK_1X128):
+        scale_inv_t = torch.empty(scale_shape(K, M, gran), **f32)
+
+    dummy = scale_inv  # stands in for pointers a mode does not touch
+    col_amax = dummy
+    if scale is not None:
+        mode = _GIVEN_SCALE
+        amax = torch.empty(grid, **f32)  # per-tile partials, reduced below
+    elif gran is Granularity.TENSORWISE:
+        mode = _MODE[gran]
+        partial = torch.empty(grid, **f32)
+        _tile_amax_kernel[grid](x, partial, dummy, dummy, M, K, ROWS=False, COLS=False, BM=TILE, BK=TILE)
+        amax = partial.amax()  # torch.amax propagates NaN
+    elif gran is Granularity.ROWWISE:
+        mode = _MODE[gran]
+        row_partial = torch.empty((M, grid[1]), **f32)
+        col_partial = torch.empty((grid[0], K), **f32) if transpose else dummy
+        _tile_amax_kernel[grid](x, dummy, row_partial, col_partial, M, K, ROWS=True, COLS=transpose, BM=TILE, BK=TILE)
+        amax = row_partial.amax(dim=1, keepdim=True)
+        if transpose:
+            col_amax = col_partial.amax(dim=0)
+    else:
+        mode = _MODE[gran]
+        amax = torch.empty(scale_shape(M, K, gran), **f32)
+
+    _cast_tile_kernel[grid](
+        x, data.view(torch.uint8), data_t.view(torch.uint8) if transpose else data.view(torch.uint8),
+        amax, col_amax, scale if scale is not None else dummy, scale_inv,
+        scale_inv_t if scale_inv_t is not None else dummy,
+        M, K, MODE=mode, TRANSPOSE=transpose, POW2=power_of_2_scale,
+        FP8_DTYPE=triton_fp8_dtype(fp8_dtype), FP8_MAX=fmt.max, MBITS=fmt.mantissa_bits,
+        EMIN=fmt.min_normal_exponent, SOFTWARE_ROUNDING=_interpreting(), BM=TILE, BK=TILE,
+        num_warps=8,
+    )
+    if scale is not None:
+        amax = amax.amax()
+    if transpose and scale_inv_t is None:
+        scale_inv_t = scale_inv.t().contiguous()
+    return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t)

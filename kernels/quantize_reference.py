@@ -1,0 +1,105 @@
+"""Torch reference twin of the Triton quantization kernels: the oracle in tests and the CPU execution path.
+
+The rules every backend follows bit for bit:
+  scale     = FP8_MAX / amax, with amax == 0 -> 1, an infinite quotient clamped to FLOAT32_MAX,
+              optionally rounded down to a power of two, and NaN when amax is not finite (a NaN or
+              inf in a scaling group makes that whole group dequantize to NaN: loud, never hidden);
+  scale_inv = 1 / scale;
+  fp8       = round-to-nearest-even(clamp(x * scale, -FP8_MAX, FP8_MAX)), NaN stays NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+from .scaling import (
+    BLOCK,
+    FLOAT32_MAX,
+    Fp8Format,
+    Fp8Quantized,
+    Granularity,
+    check_quantize_args,
+    granularity,
+)
+
+_EXPONENT_MASK = 0x7F800000
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max: float, power_of_2_scale: bool) -> torch.Tensor:
+    """Current-scaling rule (see module docstring); amax is fp32 of any shape."""
+    scale = torch.full_like(amax, fp8_max) / amax  # a true division: `python_float / t` is not IEEE
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    scale = torch.clamp(scale, max=FLOAT32_MAX)
+    if power_of_2_scale:  # clear the mantissa: round down to a power of two, exact to invert
+        scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """IEEE 1/scale. (`1.0 / t` computes reciprocal(t) * 1.0 in torch, which is off by an ulp at times.)"""
+    return torch.ones_like(scale) / scale
+
+
+def saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """fp32 -> FP8 with round-to-nearest-even; out-of-range values (inf too) saturate, NaN stays NaN."""
+    return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)  # clamp propagates NaN
+
+
+def _group_amax(a: torch.Tensor, gran: Granularity) -> torch.Tensor:
+    """Per-group max of |x| (NaN-propagating), in the granularity's scale shape."""
+    if gran is Granularity.TENSORWISE:
+        return a.amax()
+    if gran is Granularity.ROWWISE:
+        return a.amax(dim=1, keepdim=True)
+    rows, cols = a.shape
+    padded = torch.nn.functional.pad(a, (0, -cols % BLOCK, 0, -rows % BLOCK if gran is Granularity.BLOCK_128X128 else 0))
+    if gran is Granularity.BLOCK_1X128:
+        return padded.view(padded.shape[0], -1, BLOCK).amax(dim=2)
+    return padded.view(padded.shape[0] // BLOCK, BLOCK, -1, BLOCK).amax(dim=(1, 3))
+
+
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, gran: Granularity) -> torch.Tensor:
+    """Broadcast per-group scales to a (rows, cols) elementwise tensor."""
+    if gran in (Granularity.TENSORWISE, Granularity.ROWWISE):
+        return scale.expand(rows, cols)
+    if gran is Granularity.BLOCK_128X128:
+        scale = scale.repeat_interleave(BLOCK, dim=0)[:rows]
+    return scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
+
+
+def _quantize_groups(x32: torch.Tensor, fmt: Fp8Format, gran: Granularity, power_of_2_scale: bool):
+    rows, cols = x32.shape
+    amax = _group_amax(x32.abs(), gran)
+    scale = scale_from_amax(amax, fmt.max, power_of_2_scale)
+    data = saturating_cast(x32 * expand_scale(scale, rows, cols, gran), fmt)
+    return data, reciprocal(scale), amax
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    granularity_: str | Granularity = Granularity.TENSORWISE,
+    *,
+    power_of_2_scale: bool = False,
+    scale: torch.Tensor | None = None,
+    transpose: bool = False,
+) -> Fp8Quantized:
+    """Quantize a 2-D tensor to FP8 with current scaling, or with a given tensorwise `scale` (delayed).
+
+    With transpose=True also returns the FP8 copy of x.T, whose groups run along x's rows.
+    """
+    gran = granularity(granularity_)
+    fmt = check_quantize_args(x, fp8_dtype, gran, scale)
+    x32 = x.float()
+    if scale is not None:
+        scale = scale.reshape(())
+        data = saturating_cast(x32 * scale, fmt)
+        result = Fp8Quantized(data, reciprocal(scale), x32.abs().amax())
+    else:
+        result = Fp8Quantized(*_quantize_groups(x32, fmt, gran, power_of_2_scale))
+    if not transpose:
+        return result
+    if gran in (Granularity.TENSORWISE, Granularity.BLOCK_128X128):
+        # Same groups, same scales: the transposed copy is the same bytes, moved.
+        return result._replace(data_t=result.data.t().contiguous(), scale_inv_t=result.scale_inv.t().contiguous())
+    data_t, scale_inv_t, _ = _quantize_groups(x32.t(), fmt, gran, power_of_2_scale)
+    return result._replace(data_t=data_t.contiguous(), scale_inv_t=scale_inv_t)

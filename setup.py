@@ -1,0 +1,28 @@
+"""Installs `megafp8` and the Triton kernel package (folder `kernels/`, import name `megafp8_kernels`)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megafp8",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel LLM pretraining in FP8 end to end",
+    python_requires=">=3.10",
+    # `kernels` as a bare import name would shadow the PyPI package `kernels` (used by transformers).
+    packages=find_packages(include=["megafp8", "megafp8.*"]) + ["megafp8_kernels"],
+    package_dir={"megafp8_kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "tqdm",
+        "triton; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers"],
+        "data": ["sentencepiece", "tokenizers"],
+        "report": ["matplotlib", "tensorboard"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megafp8-pretrain = megafp8.pretrain:main",
+        ],
+    },
+)

@@ -1,0 +1,22 @@
+"""Helpers shared by the FP8 tests: SQNR in dB and realistic inputs with outlier channels."""
+import torch
+
+
+def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of `actual` against `reference`, in dB (computed in fp64)."""
+    reference = reference.double()
+    noise = (actual.double() - reference).pow(2).mean()
+    return (10 * torch.log10(reference.pow(2).mean() / noise)).item()
+
+
+def gaussian_with_outlier_channels(rows: int, cols: int, generator: torch.Generator, outliers: int = 4,
+                                   magnitude: float = 20.0) -> torch.Tensor:
+    """N(0, 1) data where a few columns (channels) are `magnitude` times larger, as in LLM activations."""
+    x = torch.randn(rows, cols, generator=generator)
+    channels = torch.randperm(cols, generator=generator)[:outliers]
+    x[:, channels] *= magnitude
+    return x
+
+
+def fp8_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)

@@ -1,0 +1,123 @@
+"""FP8 GEMM: Triton against its twin on the same FP8 inputs, and FP8 numerics against fp64 on real-valued inputs.
+
+Tolerances are SQNR floors (dB), never bit equality: the kernel scales after each dot (or per 128-wide
+K step) while the twin dequantizes first, so fp32 rounding differs; 50 dB is ~3 decimal digits, far
+looser than that rounding (~130 dB) and far tighter than any indexing or scaling bug (< 10 dB).
+"""
+import itertools
+
+import pytest
+import torch
+
+from fp8_testing import gaussian_with_outlier_channels, sqnr_db
+from megafp8_kernels import E4M3, E5M2, GemmScaleMode, fp8_gemm, quantize
+from megafp8_kernels.gemm_reference import fp8_gemm_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE_PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+MODES = list(GemmScaleMode)
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1, 1, 1), (70, 90, 300), (129, 33, 257)]  # (M, N, K), none a multiple of the tiles
+
+
+def _operands(M, N, K, fmt_a, fmt_b, mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    gran_a, gran_b = mode.operand_granularities
+    qa = quantize(x, fmt_a.dtype, gran_a, backend="reference")
+    qb = quantize(w, fmt_b.dtype, gran_b, backend="reference")
+    return qa.data, qb.data, qa.scale_inv, qb.scale_inv
+
+
+def _to(device, *tensors):
+    return [t.to(device) if t is not None else None for t in tensors]
+
+
+@pytest.mark.parametrize("fmts,mode", list(itertools.product(DTYPE_PAIRS, MODES)),
+                         ids=lambda v: v.value if isinstance(v, GemmScaleMode) else f"{v[0].dtype}x{v[1].dtype}")
+def test_triton_matches_reference(fmts, mode):
+    """Every dtype pair x scale mode x output dtype x bias x accumulate, on odd shapes."""
+    seed = 0
+    for (M, N, K), out_dtype, with_bias, accumulate in itertools.product(SHAPES, OUT_DTYPES, [False, True], [False, True]):
+        seed += 1
+        a, b, sa, sb = _operands(M, N, K, *fmts, mode, seed)
+        bias = torch.randn(N, generator=torch.Generator().manual_seed(seed)) if with_bias else None
+        if accumulate:
+            start = torch.randn(M, N, generator=torch.Generator().manual_seed(-seed)).to(out_dtype)
+        else:
+            start = torch.full((M, N), float("nan"), dtype=out_dtype)  # poison: an unwritten element fails
+        expected = fp8_gemm_reference(a, b, sa, sb, out_dtype=out_dtype, bias=bias, out=start.clone(), accumulate=accumulate)
+        out = start.clone().to(DEVICE)
+        got = fp8_gemm(*_to(DEVICE, a, b, sa, sb), out_dtype=out_dtype, bias=_to(DEVICE, bias)[0], out=out,
+                       accumulate=accumulate, backend="triton")
+        assert got.data_ptr() == out.data_ptr(), "the result must be written into `out`"
+        assert torch.isfinite(got).all(), f"unwritten or non-finite output for {(M, N, K)}"
+        floor = 50.0 if out_dtype == torch.float32 else 40.0  # bf16 output rounding alone is ~50 dB
+        assert sqnr_db(got.cpu(), expected) >= floor, (M, N, K, out_dtype, with_bias, accumulate)
+
+
+@pytest.mark.parametrize("mode,floor_db", [(GemmScaleMode.TENSORWISE, 25.0), (GemmScaleMode.ROWWISE, 25.0),
+                                           (GemmScaleMode.BLOCKWISE, 28.0), (GemmScaleMode.BLOCKWISE_1X128, 28.0)],
+                         ids=lambda v: getattr(v, "value", str(v)))
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp8_gemm_vs_fp64_on_outlier_channels(mode, floor_db, backend):
+    """Quantize-then-GEMM of Gaussian data with outlier channels vs the fp64 GEMM of the original data.
+
+    Fresh inputs per case. E4M3 keeps 3 mantissa bits (~28.6 dB for a Gaussian product); coarse
+    scaling groups lose more when outlier channels dominate a group.
+    """
+    g = torch.Generator().manual_seed(2 * MODES.index(mode) + (backend == "triton"))
+    M, N, K = 96, 160, 512
+    x = gaussian_with_outlier_channels(M, K, g)
+    w = torch.randn(N, K, generator=g) * 0.02
+    gran_a, gran_b = mode.operand_granularities
+    qa = quantize(x.to(DEVICE), E4M3.dtype, gran_a, backend=backend if DEVICE == "cpu" else None)
+    qb = quantize(w.to(DEVICE), E4M3.dtype, gran_b, backend=backend if DEVICE == "cpu" else None)
+    out = fp8_gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, backend=backend)
+    assert sqnr_db(out.cpu(), x.double() @ w.double().t()) >= floor_db
+
+
+def test_gradient_formats_vs_fp64():
+    """E5M2 operands (gradients) keep 2 mantissa bits: ~6 dB under E4M3; 22 dB is the floor for a Gaussian."""
+    g = torch.Generator().manual_seed(5)
+    dy, w = torch.randn(64, 256, generator=g), torch.randn(256, 192, generator=g)
+    qa = quantize(dy, E5M2.dtype, "block_1x128", backend="reference")
+    qb = quantize(w.t().contiguous(), E4M3.dtype, "block_128x128", backend="reference")
+    for backend in ("reference", "triton"):
+        out = fp8_gemm(*_to(DEVICE, qa.data, qb.data, qa.scale_inv, qb.scale_inv), backend=backend)
+        assert sqnr_db(out.cpu(), dy.double() @ w.double()) >= 22.0
+
+
+# ---- errors a caller can make ----
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_unsupported_combinations_raise(backend):
+    a, b, sa, sb = _operands(8, 16, 256, E4M3, E4M3, GemmScaleMode.TENSORWISE, 0)
+    _, _, ra, rb = _operands(8, 16, 256, E4M3, E4M3, GemmScaleMode.ROWWISE, 0)
+    a, b, sa, sb, ra, rb = _to(DEVICE, a, b, sa, sb, ra, rb)
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        fp8_gemm(a.to(torch.float32).to(E5M2.dtype), b.to(torch.float32).to(E5M2.dtype), sa, sb, backend=backend)
+    with pytest.raises(ValueError, match="unsupported scale shapes"):
+        fp8_gemm(a, b, sa, rb, backend=backend)  # tensorwise A with rowwise B
+    with pytest.raises(ValueError, match="unsupported scale shapes"):
+        fp8_gemm(a, b, ra[:4], rb, backend=backend)
+    with pytest.raises(ValueError, match="output dtype"):
+        fp8_gemm(a, b, sa, sb, out_dtype=torch.float64, backend=backend)
+    with pytest.raises(ValueError, match="same K"):
+        fp8_gemm(a, b[:, :128], sa, sb, backend=backend)
+    with pytest.raises(ValueError, match="accumulate=True needs `out`"):
+        fp8_gemm(a, b, sa, sb, accumulate=True, backend=backend)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        fp8_gemm(a, b, sa, sb, bias=torch.zeros(3, device=DEVICE), backend=backend)
+    with pytest.raises(ValueError, match="float32"):
+        fp8_gemm(a, b, sa.double(), sb, backend=backend)
+
+
+@pytest.mark.gpu
+def test_autotuned_kernel_on_gpu_large_shapes():
+    """Compiled path with autotuning (not reachable on CPU): 4096-sized GEMMs in every mode."""
+    for mode in MODES:
+        a, b, sa, sb = _operands(4096, 4096, 4096, E4M3, E4M3, mode, 1)
+        expected = fp8_gemm_reference(a, b, sa, sb)
+        got = fp8_gemm(*_to("cuda", a, b, sa, sb), out_dtype=torch.bfloat16)
+        assert sqnr_db(got.float().cpu(), expected) >= 40.0, mode

@@ -1,0 +1,198 @@
+"""FP8 quantization: the Triton kernels equal their torch twin bit for bit, and the twin obeys the format.
+
+On CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py); on a GPU
+machine they run compiled on CUDA tensors. Either way the oracle is the reference twin on CPU.
+"""
+import itertools
+
+import pytest
+import torch
+
+from fp8_testing import fp8_bits
+from megafp8_kernels import E4M3, E5M2, Granularity, dequantize, quantize, scale_shape
+from megafp8_kernels.quantize_reference import quantize_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = [E4M3, E5M2]
+GRANULARITIES = list(Granularity)
+# Odd sizes on purpose: partial tiles, a single element, fewer rows than one block, more than one block.
+SHAPES = [(1, 1), (3, 130), (130, 200), (257, 129)]
+
+
+def _triton(x, fmt, gran, **kwargs):
+    return quantize(x.to(DEVICE), fmt.dtype, gran, backend="triton", **kwargs)
+
+
+def _assert_same(result, expected):
+    """Bytes equal exactly; scales/amax equal exactly, NaN where the reference has NaN."""
+    for name in ("data", "data_t"):
+        got, want = getattr(result, name), getattr(expected, name)
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(fp8_bits(got.cpu()), fp8_bits(want)), f"{name}: FP8 bytes differ"
+    for name in ("scale_inv", "amax", "scale_inv_t"):
+        got, want = getattr(result, name), getattr(expected, name)
+        if want is None:
+            continue
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True, msg=f"{name} differs")
+
+
+def _input(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g).mul(8).exp2()  # rows of mixed magnitude
+    if shape[0] > 5 and shape[1] > 7:
+        x[3, 7] = 3e4  # outlier beyond E4M3's range before scaling
+        x[5, :] = 0.0  # an all-zero row (amax 0)
+    return x
+
+
+@pytest.mark.parametrize("fmt,gran,pow2,transpose", list(itertools.product(FORMATS, GRANULARITIES, [False, True], [False, True])),
+                         ids=lambda v: getattr(v, "value", None) or str(getattr(v, "dtype", v)))
+def test_triton_equals_reference_bit_for_bit(fmt, gran, pow2, transpose):
+    for i, shape in enumerate(SHAPES):
+        x = _input(shape, seed=i)
+        expected = quantize_reference(x, fmt.dtype, gran, power_of_2_scale=pow2, transpose=transpose)
+        _assert_same(_triton(x, fmt, gran, power_of_2_scale=pow2, transpose=transpose), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_given_scale_triton_equals_reference_and_returns_amax(fmt):
+    """Delayed scaling: a given scale, saturation of values the scale pushes past the max, tensor amax out."""
+    x = _input((150, 260), seed=7)
+    scale = torch.tensor(fmt.max / 100.0)  # stale scale: everything above 100 saturates
+    expected = quantize_reference(x, fmt.dtype, scale=scale, transpose=True)
+    _assert_same(_triton(x, fmt, "tensorwise", scale=scale.to(DEVICE), transpose=True), expected)
+    assert expected.amax.item() == x.abs().max().item()
+    big = x.abs() > 100.0 * (1 + 2 ** -(fmt.mantissa_bits + 1))
+    assert big.any()
+    assert torch.all(expected.data.float()[big].abs() == fmt.max), "values past the max must saturate"
+
+
+@pytest.mark.parametrize("gran", GRANULARITIES, ids=lambda g: g.value)
+def test_input_dtypes_bf16_fp16(gran):
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _input((70, 140), seed=3).clamp(-6e4, 6e4).to(dtype)
+        _assert_same(_triton(x, E4M3, gran, transpose=True), quantize_reference(x, E4M3.dtype, gran, transpose=True))
+
+
+# ---- the reference twin against the format itself (independent of both implementations) ----
+
+@pytest.mark.parametrize("fmt,gran", list(itertools.product(FORMATS, GRANULARITIES)), ids=str)
+def test_reference_round_trip_error_within_half_ulp(fmt, gran):
+    """Each nonzero group's amax maps to exactly FP8_MAX, and every normal value is within half an FP8 ulp."""
+    x = _input((130, 300), seed=11).double()
+    q = quantize_reference(x.float(), fmt.dtype, gran)
+    assert tuple(q.scale_inv.shape) == scale_shape(130, 300, gran)
+    restored = dequantize(q.data, q.scale_inv, gran).double()
+    scaled = x.abs() / dequantize(torch.ones_like(q.data.float()).to(fmt.dtype), q.scale_inv, gran).double()
+    normal = scaled >= 2.0 ** fmt.min_normal_exponent
+    rel_err = ((restored - x).abs() / x.abs())[normal]
+    assert rel_err.max().item() <= 2.0 ** -(fmt.mantissa_bits + 1) * (1 + 1e-6)
+    group_max = q.data.float().abs().amax()
+    assert group_max.item() == fmt.max
+
+
+def test_zero_groups_get_scale_one():
+    x = torch.zeros(130, 256)
+    x[:, 128:] = torch.randn(130, 128)
+    for gran in (Granularity.TENSORWISE, Granularity.BLOCK_1X128, Granularity.BLOCK_128X128):
+        q = _triton(torch.zeros(4, 4), E4M3, gran)
+        assert torch.all(q.scale_inv.cpu() == 1.0) and torch.all(q.data.cpu().float() == 0.0)
+    q = _triton(x, E4M3, Granularity.BLOCK_1X128)
+    assert torch.all(q.scale_inv[:, 0].cpu() == 1.0)
+    assert torch.all(torch.isfinite(q.scale_inv)) and torch.all(q.amax[:, 0].cpu() == 0.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("gran", GRANULARITIES, ids=lambda g: g.value)
+def test_non_finite_input_poisons_its_group_never_hidden(bad, gran):
+    """A NaN/inf makes its group's scale NaN, so the whole group dequantizes to NaN; other groups survive."""
+    x = _input((256, 256), seed=5)
+    x[200, 200] = bad
+    for q in (quantize_reference(x, E4M3.dtype, gran), _triton(x, E4M3, gran)):
+        restored = dequantize(q.data.cpu(), q.scale_inv.cpu(), gran)
+        assert torch.isnan(restored[200, 200])
+        if gran is not Granularity.TENSORWISE:
+            assert torch.isfinite(restored[0, 0]), "a group without NaN/inf must stay finite"
+    if bad != bad:
+        assert torch.isnan(quantize_reference(x, E4M3.dtype, gran).data.float()[200, 200])
+
+
+def test_nan_with_given_scale_stays_nan_and_inf_saturates():
+    x = torch.tensor([[1.0, float("nan"), float("inf"), -float("inf"), 1e9, -0.0]])
+    for fmt in FORMATS:
+        q = _triton(x, fmt, "tensorwise", scale=torch.tensor(1.0, device=DEVICE))
+        got = q.data.cpu().float()
+        assert torch.isnan(got[0, 1])
+        assert got[0, 2] == fmt.max and got[0, 3] == -fmt.max and got[0, 4] == fmt.max
+        assert fp8_bits(q.data.cpu())[0, 5] == 0x80, "negative zero keeps its sign"
+        assert torch.isnan(q.amax.cpu()), "the amax fed to the scale history must show the NaN"
+
+
+def test_tiny_amax_gives_finite_scale_and_subnormals_round_correctly():
+    x = torch.tensor([[1e-40, -3e-41, 0.0, 2e-42]])  # fp32 subnormals: 448/amax overflows to inf
+    for gran in GRANULARITIES:
+        q = _triton(x, E4M3, gran)
+        assert torch.all(torch.isfinite(q.scale_inv.cpu())) and torch.all(q.scale_inv.cpu() > 0)
+        _assert_same(q, quantize_reference(x, E4M3.dtype, gran))
+    sub = torch.linspace(-2 ** -6, 2 ** -6, 1001).view(7, 143)  # E4M3 subnormal range with scale 1
+    for fmt in FORMATS:
+        _assert_same(_triton(sub, fmt, "tensorwise", scale=torch.tensor(1.0, device=DEVICE)),
+                     quantize_reference(sub, fmt.dtype, scale=torch.tensor(1.0)))
+
+
+def test_power_of_two_scales_are_powers_of_two():
+    x = _input((130, 300), seed=2)
+    for gran in GRANULARITIES:
+        s = _triton(x, E4M3, gran, power_of_2_scale=True).scale_inv.cpu()
+        mantissa, _ = torch.frexp(s)
+        assert torch.all(mantissa == 0.5), gran
+
+
+def test_transposed_copy_is_the_quantized_transpose():
+    """data_t is x.T quantized in its own K-major groups (tensorwise/128x128: the same bytes, moved)."""
+    x = _input((200, 300), seed=9)
+    for gran in GRANULARITIES:
+        q = _triton(x, E4M3, gran, transpose=True)
+        of_transpose = quantize_reference(x.t().contiguous(), E4M3.dtype, gran)
+        assert torch.equal(fp8_bits(q.data_t.cpu()), fp8_bits(of_transpose.data)), gran
+        torch.testing.assert_close(q.scale_inv_t.cpu(), of_transpose.scale_inv, rtol=0, atol=0)
+        if gran in (Granularity.TENSORWISE, Granularity.BLOCK_128X128):
+            assert torch.equal(fp8_bits(q.data_t.cpu()), fp8_bits(q.data.cpu()).t())
+
+
+# ---- errors a caller can make ----
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bad_arguments_raise_clear_errors(backend):
+    x = torch.randn(4, 8, device=DEVICE if backend == "triton" else "cpu")
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(x.view(2, 2, 8), E4M3.dtype, backend=backend)
+    with pytest.raises(ValueError, match="unsupported FP8 dtype"):
+        quantize(x, torch.float16, backend=backend)
+    with pytest.raises(ValueError, match="unknown scaling granularity"):
+        quantize(x, E4M3.dtype, "columnwise", backend=backend)
+    with pytest.raises(ValueError, match="only supported with tensorwise"):
+        quantize(x, E4M3.dtype, "rowwise", scale=torch.tensor(1.0, device=x.device), backend=backend)
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        quantize(x.int(), E4M3.dtype, backend=backend)
+    with pytest.raises(ValueError, match="empty"):
+        quantize(x[:0], E4M3.dtype, backend=backend)
+
+
+def test_backend_selection(monkeypatch):
+    from megafp8_kernels import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend(cpu) == "reference"
+    assert resolve_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "reference")
+    assert resolve_backend(torch.device("cuda")) == "reference"
+    monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "cutlass")
+    with pytest.raises(ValueError, match="MEGAFP8_KERNEL_BACKEND"):
+        resolve_backend(cpu)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        resolve_backend(cpu, "triton")

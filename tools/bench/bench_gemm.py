@@ -1,0 +1,124 @@
+"""Benchmark FP8 GEMMs (TFLOP/s) and quantization (GB/s): ours (Triton) against bf16 matmul and torch._scaled_mm.
+
+GPU (the real measurement; results go into docs/benchmarks.md with date, GPU, versions, command):
+    python tools/bench/bench_gemm.py
+CPU smoke run (reference path, small sizes; exercises the script in CI, its numbers mean little):
+    python tools/bench/bench_gemm.py --quick
+
+Times are medians of repeated runs after warm-up (CUDA events via triton.testing.do_bench on GPU).
+GB/s counts the fewest bytes an op must move: each input read once, each output written once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from megafp8_kernels import E4M3, fp8_gemm, quantize
+
+GPU_SQUARE = [2048, 4096, 8192]
+GPU_LLAMA8B = [(8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (8192, 6144, 4096)]  # (M, N, K)
+CPU_QUICK = [(128, 128, 128), (256, 256, 256)]
+
+
+def _time_ms(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    fn()  # warm-up
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _gemm_cases(M: int, N: int, K: int, device: str, fp8_backend: str):
+    """name -> zero-argument callable, all computing a (M, N) product of (M, K) x (N, K)^T."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(M, K, device=device, generator=g)
+    w = torch.randn(N, K, device=device, generator=g)
+    hp = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 matmul is ~50x slower than fp32 on CPU
+    x_hp, w_hp = x.to(hp), w.to(hp)
+    cases = {f"{str(hp).removeprefix('torch.')} torch.matmul": lambda: x_hp @ w_hp.t()}
+
+    qt_x, qt_w = quantize(x, E4M3.dtype, "tensorwise"), quantize(w, E4M3.dtype, "tensorwise")
+    qr_x, qr_w = quantize(x, E4M3.dtype, "rowwise"), quantize(w, E4M3.dtype, "rowwise")
+    qb_x, qb_w = quantize(x, E4M3.dtype, "block_1x128"), quantize(w, E4M3.dtype, "block_128x128")
+    out = torch.bfloat16 if device == "cuda" else torch.float32
+    try:
+        torch._scaled_mm(qt_x.data, qt_w.data.t(), qt_x.scale_inv, qt_w.scale_inv, out_dtype=out)
+        cases["torch._scaled_mm tensorwise"] = lambda: torch._scaled_mm(
+            qt_x.data, qt_w.data.t(), qt_x.scale_inv, qt_w.scale_inv, out_dtype=out)
+        sb_row = qr_w.scale_inv.t().contiguous()
+        torch._scaled_mm(qr_x.data, qr_w.data.t(), qr_x.scale_inv, sb_row, out_dtype=torch.bfloat16)
+        cases["torch._scaled_mm rowwise"] = lambda: torch._scaled_mm(
+            qr_x.data, qr_w.data.t(), qr_x.scale_inv, sb_row, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as err:  # older torch or unsupported device
+        print(f"# torch._scaled_mm skipped: {err}".splitlines()[0], file=sys.stderr)
+    label = "triton" if fp8_backend == "triton" else "reference"
+    for name, (qa, qb) in {"tensorwise": (qt_x, qt_w), "rowwise": (qr_x, qr_w), "blockwise": (qb_x, qb_w)}.items():
+        cases[f"megafp8 {label} {name}"] = (
+            lambda qa=qa, qb=qb: fp8_gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out, backend=fp8_backend))
+    return cases
+
+
+def _quantize_cases(M: int, K: int, device: str, fp8_backend: str):
+    """name -> (callable, minimal bytes moved). Input in bf16 on GPU (what a training step feeds), fp32 on CPU."""
+    x = torch.randn(M, K, device=device).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    n, src = x.numel(), x.element_size()
+    cases = {"device copy": (lambda: x.clone(), 2 * n * src)}
+    for gran in ("tensorwise", "rowwise", "block_1x128", "block_128x128"):
+        cases[f"quantize {gran}"] = (lambda gran=gran: quantize(x, E4M3.dtype, gran, backend=fp8_backend), n * (src + 1))
+        cases[f"cast+transpose {gran}"] = (
+            lambda gran=gran: quantize(x, E4M3.dtype, gran, transpose=True, backend=fp8_backend), n * (src + 2))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run on small sizes (reference kernels)")
+    parser.add_argument("--json", help="also write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    fp8_backend = "triton" if device == "cuda" else "reference"
+    shapes = [(s, s, s) for s in GPU_SQUARE] + GPU_LLAMA8B if device == "cuda" else CPU_QUICK
+    hw = torch.cuda.get_device_name() if device == "cuda" else f"CPU {platform.processor() or platform.machine()}"
+    print(f"# device: {hw} | torch {torch.__version__} | fp8 kernels: {fp8_backend}")
+    rows = []
+
+    print("\n| M | N | K | GEMM | ms | TFLOP/s |\n|---|---|---|---|---|---|")
+    for M, N, K in shapes:
+        for name, fn in _gemm_cases(M, N, K, device, fp8_backend).items():
+            ms = _time_ms(fn, device)
+            tflops = 2 * M * N * K / ms / 1e9
+            rows.append({"kind": "gemm", "M": M, "N": N, "K": K, "name": name, "ms": ms, "tflops": tflops})
+            print(f"| {M} | {N} | {K} | {name} | {ms:.3f} | {tflops:.1f} |")
+
+    print("\n| M | K | op | ms | GB/s | % of copy |\n|---|---|---|---|---|---|")
+    for M, _, K in shapes[: len(GPU_SQUARE) if device == "cuda" else len(CPU_QUICK)]:
+        copy_gbs = None
+        for name, (fn, nbytes) in _quantize_cases(M, K, device, fp8_backend).items():
+            ms = _time_ms(fn, device)
+            gbs = nbytes / ms / 1e6
+            copy_gbs = copy_gbs or gbs
+            rows.append({"kind": "quantize", "M": M, "K": K, "name": name, "ms": ms, "gbs": gbs})
+            print(f"| {M} | {K} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": hw, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
