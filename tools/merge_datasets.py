@@ -1,0 +1,52 @@
+"""Concatenate indexed datasets (e.g. written by several preprocessing jobs) into one ``.bin/.idx`` pair.
+
+    python tools/merge_datasets.py --input data/parts --output-prefix data/corpus_text_document
+    python tools/merge_datasets.py --input data/p0_text_document data/p1_text_document --output-prefix OUT
+
+``--input`` is either one directory (every ``*.idx`` prefix in it, in sorted order, as Megatron-LM's
+merge tool) or the prefixes themselves, in the order given. All inputs must share a token dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megafp8.data.indexed_dataset import IndexedDatasetError, merge_indexed_datasets  # noqa: E402
+
+
+def input_prefixes(inputs: list[str]) -> list[str]:
+    """Expand a directory into its dataset prefixes; pass prefixes through."""
+    if len(inputs) == 1 and os.path.isdir(inputs[0]):
+        directory = inputs[0]
+        names = sorted(n[: -len(".idx")] for n in os.listdir(directory) if n.endswith(".idx"))
+        if not names:
+            raise IndexedDatasetError(f"--input {directory}: no .idx files in this directory")
+        return [os.path.join(directory, n) for n in names]
+    return inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input", nargs="+", required=True, help="a directory, or dataset prefixes in order")
+    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
+    args = parser.parse_args(argv)
+    try:
+        prefixes = input_prefixes(args.input)
+        if os.path.abspath(args.output_prefix) in {os.path.abspath(p) for p in prefixes}:
+            raise IndexedDatasetError(f"--output-prefix {args.output_prefix}: is also an input")
+        merged = merge_indexed_datasets(prefixes, args.output_prefix)
+    except IndexedDatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx: "
+        f"{merged.num_documents:,} documents, {merged.num_tokens:,} tokens"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
