@@ -7,6 +7,7 @@ through the sampler.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -75,24 +76,28 @@ def build_train_valid_test_datasets(
         if len(datasets) == 1:
             built.append(_gpt(datasets[0], documents[0], requested[s], seq_length, seed, name, cache_dir))
             continue
-        for d, docs in enumerate(documents):
-            if len(docs) == 0:
-                raise ValueError(f"--data-path {prefixes[d]}: no documents fall in the {name} split of --split {split}")
-        split_tokens = [int(np.asarray(ds.sequence_lengths)[docs].sum(dtype=np.int64))
-                        for ds, docs in zip(datasets, documents)]
-        blend_weights = normalize_weights(weights if weights is not None else split_tokens)
+        # A small member can have no documents in a small split (1 of 1000 of 300 documents rounds to 0):
+        # the split is then blended from the other members, renormalized, rather than failing the run.
+        members = [d for d, docs in enumerate(documents) if len(docs)]
+        if len(members) < len(datasets):
+            empty = [prefixes[d] for d in range(len(datasets)) if d not in members]
+            warnings.warn(f"the {name} split of --split {split} has no documents from {', '.join(empty)}; "
+                          "it is blended from the other datasets")
+        split_tokens = [int(np.asarray(datasets[d].sequence_lengths)[documents[d]].sum(dtype=np.int64))
+                        for d in members]
+        blend_weights = normalize_weights([weights[d] for d in members] if weights is not None else split_tokens)
         num_samples = requested[s]
         if num_samples is None:
             # One epoch of the blend: as many samples as possible before any member repeats.
             num_samples = int(min(samples_per_epoch(t, seq_length) / w for t, w in zip(split_tokens, blend_weights)))
         blend_cache = cache_dir or default_cache_dir(prefixes[0])
         dataset_index, dataset_sample_index = cached_blending_indices(blend_weights, num_samples, blend_cache)
-        counts = np.bincount(dataset_index, minlength=len(datasets))
-        members = [
-            _gpt(ds, docs, max(int(count), 1), seq_length, seed, name, cache_dir)
-            for ds, docs, count in zip(datasets, documents, counts)
+        counts = np.bincount(dataset_index, minlength=len(members))
+        member_datasets = [
+            _gpt(datasets[d], documents[d], max(int(count), 1), seq_length, seed, name, cache_dir)
+            for d, count in zip(members, counts)
         ]
-        built.append(BlendedDataset(members, blend_weights, num_samples, dataset_index, dataset_sample_index))
+        built.append(BlendedDataset(member_datasets, blend_weights, num_samples, dataset_index, dataset_sample_index))
     return tuple(built)
 
 

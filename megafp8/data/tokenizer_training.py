@@ -122,7 +122,10 @@ def train_sentencepiece(
                 f"--input {', '.join(inputs)}: no text found (is --json-key {json_key!r} right?)"
             ) from None
         # e.g. "Vocabulary size is smaller than required_chars": name the flag the user can change.
-        raise ValueError(f"SentencePiece training failed for --vocab-size {vocab_size}: {exc}") from None
+        raise ValueError(
+            f"SentencePiece training failed for --vocab-size {vocab_size} (byte fallback alone needs 256 "
+            f"pieces; raise it or lower --character-coverage): {exc}"
+        ) from None
     if stats.bad_lines:
         where = ", ".join(f"{p}:{n}" for p, n in stats.bad_line_numbers)
         print(f"skipped {stats.bad_lines} unreadable json line(s) or lines without {json_key!r} (first: {where})")
