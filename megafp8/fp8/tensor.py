@@ -1,0 +1,90 @@
+"""Float8Tensor: an FP8 payload with its scales and layouts, and its uint8 wire form for collectives.
+
+A plain container, not a torch.Tensor subclass: it only travels between the quantizer, the GEMMs and
+the collectives, never through arbitrary torch ops, so a subclass would add dispatch rules and no value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megafp8_kernels import Fp8Quantized, Granularity, dequantize, fp8_format, scale_shape
+
+
+@dataclass
+class Float8Tensor:
+    """A 2-D (rows, cols) tensor in FP8.
+
+    data / scale_inv:     row-major FP8 bytes and dequantization scales (groups along cols)
+    data_t / scale_inv_t: the transposed (cols, rows) copy, groups along rows; present when a GEMM
+                          needs the tensor K-major the other way round (dgrad, wgrad)
+    Either layout may be absent: a weight kept only for dgrad holds just the transposed copy.
+    """
+
+    shape: tuple[int, int]
+    fp8_dtype: torch.dtype
+    granularity: Granularity
+    data: torch.Tensor | None = None
+    scale_inv: torch.Tensor | None = None
+    data_t: torch.Tensor | None = None
+    scale_inv_t: torch.Tensor | None = None
+
+    @classmethod
+    def from_quantized(cls, q: Fp8Quantized, granularity: Granularity) -> Float8Tensor:
+        return cls(tuple(q.data.shape), q.data.dtype, granularity, q.data, q.scale_inv, q.data_t, q.scale_inv_t)
+
+    @property
+    def has_transpose(self) -> bool:
+        return self.data_t is not None
+
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.data is None:
+            raise RuntimeError("this Float8Tensor holds no row-major copy")
+        return self.data, self.scale_inv
+
+    def col_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.data_t is None:
+            raise RuntimeError("this Float8Tensor holds no transposed copy: quantize with transpose=True")
+        return self.data_t, self.scale_inv_t
+
+    def without_row_major(self) -> Float8Tensor:
+        """Drop the row-major copy (e.g. what backward keeps of an input: only the transposed bytes)."""
+        return Float8Tensor(self.shape, self.fp8_dtype, self.granularity, None, None, self.data_t, self.scale_inv_t)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.data is not None:
+            return dequantize(self.data, self.scale_inv, self.granularity).to(dtype)
+        return dequantize(self.data_t, self.scale_inv_t, self.granularity).t().to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.data, self.scale_inv, self.data_t, self.scale_inv_t)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # ---- wire form: one flat uint8 buffer of the row-major payload followed by its fp32 scales ----
+    def to_wire(self) -> torch.Tensor:
+        """The row-major copy as one contiguous uint8 buffer (gloo and some NCCL builds reject float8)."""
+        data, scale_inv = self.row_major()
+        return torch.cat([data.reshape(-1).view(torch.uint8), scale_inv.reshape(-1).contiguous().view(torch.uint8)])
+
+    @staticmethod
+    def wire_nbytes(shape: tuple[int, int], granularity: Granularity) -> int:
+        rows, cols = shape
+        return rows * cols + 4 * math.prod(scale_shape(rows, cols, granularity))
+
+    @classmethod
+    def from_wire(cls, buffer: torch.Tensor, shape: tuple[int, int], fp8_dtype: torch.dtype,
+                  granularity: Granularity) -> Float8Tensor:
+        """Inverse of to_wire; checks the size so a mismatched peer fails loudly, not with garbage."""
+        fp8_format(fp8_dtype)
+        rows, cols = shape
+        expected = cls.wire_nbytes(shape, granularity)
+        if buffer.dtype != torch.uint8 or buffer.numel() != expected:
+            raise ValueError(f"FP8 wire buffer of {buffer.numel()} {buffer.dtype} elements does not hold a "
+                             f"{shape} {granularity.value} tensor ({expected} bytes expected)")
+        data = buffer[: rows * cols].view(fp8_dtype).view(rows, cols)
+        scale_inv = buffer[rows * cols:].clone().view(torch.float32).view(scale_shape(rows, cols, granularity))
+        return cls(shape, fp8_dtype, granularity, data, scale_inv)
+

@@ -1,0 +1,129 @@
+"""Smooth-SwiGLU (same function, better FC2-input quantization), FP8 telemetry and its guard, and the
+Float8Tensor wire form."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_testing import sqnr_db
+from megafp8.fp8 import (
+    Float8Tensor,
+    Fp8Linear,
+    Fp8Recipe,
+    Fp8ScalingManager,
+    SaturationGuard,
+    collect_fp8_telemetry,
+    enable_fp8_telemetry,
+    smooth_swiglu_channel_scales,
+    swiglu,
+)
+from megafp8_kernels import Granularity, quantize
+
+
+def _swiglu_activations(tokens=256, ffn=512, outlier_channel=17, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(tokens, ffn, generator=g), torch.randn(tokens, ffn, generator=g)
+    # The late-training failure mode (Fishman et al.): one channel whose gate and up weights aligned, so
+    # its SwiGLU output grows quadratically (here 10^4 x the others).
+    gate[:, outlier_channel] *= 100.0
+    up[:, outlier_channel] *= 100.0
+    return swiglu(gate, up)
+
+
+def test_smooth_swiglu_is_identical_to_swiglu_in_high_precision():
+    """Power-of-two channel scales fold out exactly: the FC2 output is bit-identical, gradients too."""
+    h = _swiglu_activations()
+    fc2 = Fp8Linear(512, 128)  # no recipe, no autocast: high precision
+    s = smooth_swiglu_channel_scales(h)
+    assert torch.all(torch.frexp(s).mantissa == 0.5), "scales must be powers of two"
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    plain, smooth = fc2(h1), fc2(h2, input_channel_scale=s)
+    assert torch.equal(plain, smooth)
+    plain.square().sum().backward()
+    grad_plain = fc2.weight.grad.clone()
+    fc2.weight.grad = None
+    smooth.square().sum().backward()
+    torch.testing.assert_close(fc2.weight.grad, grad_plain, rtol=1e-6, atol=0)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "tensorwise"])
+def test_smooth_swiglu_improves_fc2_input_quantization(scaling):
+    """With an outlier channel, FP8 of h*s (then / s) is closer to h than FP8 of h itself.
+
+    Measured per channel: a whole-tensor SQNR is dominated by the outlier channel's energy and hides
+    what the outlier does to the others (their values sink into E4M3's subnormals or flush to zero).
+    """
+    h = _swiglu_activations()
+    s = smooth_swiglu_channel_scales(h)
+
+    def fp8_round_trip(t):
+        q = quantize(t, torch.float8_e4m3fn, Granularity.TENSORWISE)
+        return Float8Tensor.from_quantized(q, Granularity.TENSORWISE).dequantize()
+
+    def per_channel_sqnr_db(approx, ref):
+        noise = (approx.double() - ref.double()).pow(2).mean(0)
+        return 10 * torch.log10(ref.double().pow(2).mean(0) / noise)
+
+    plain = per_channel_sqnr_db(fp8_round_trip(h), h)
+    smooth = per_channel_sqnr_db(fp8_round_trip(h * s) / s, h)
+    assert smooth.mean() > plain.mean() + 3.0, (plain.mean(), smooth.mean())
+    assert smooth.min() > plain.min() + 3.0, "the worst channel must gain the most"
+    # The outlier channel itself may give up about one binade of headroom (~3 dB), no more.
+    assert smooth[17] >= plain[17] - 3.5
+
+    # Through the layer (separate layers with the same weights, so delayed states do not mix): the
+    # output is dominated by the outlier channel's term, which both keep precise, so it stays close;
+    # folding 1/s into W's columns moves range into the weight, which can cost it a little.
+    torch.manual_seed(1)
+    plain_fc2 = Fp8Linear(512, 128, recipe=Fp8Recipe(scaling=scaling, amax_history_len=4))
+    smooth_fc2 = copy.deepcopy(plain_fc2)
+    exact = h.double() @ plain_fc2.weight.detach().double().t() + plain_fc2.bias.detach().double()
+    if scaling == "delayed":
+        plain_fc2(h), smooth_fc2(h, input_channel_scale=s)
+        Fp8ScalingManager(plain_fc2).update(), Fp8ScalingManager(smooth_fc2).update()
+    with torch.no_grad():
+        plain_db, smooth_db = sqnr_db(plain_fc2(h), exact), sqnr_db(smooth_fc2(h, input_channel_scale=s), exact)
+    assert smooth_db >= 25.0 and smooth_db >= plain_db - 2.5, (plain_db, smooth_db)
+
+
+def test_telemetry_reports_saturation_and_flush_and_guard_switches_layer():
+    layer = Fp8Linear(64, 32, recipe=Fp8Recipe.delayed(amax_history_len=1))
+    enable_fp8_telemetry(layer)
+    # Delayed scale starts at 1: inputs beyond 448 saturate, inputs below E4M3's smallest subnormal flush.
+    x = torch.ones(16, 64)
+    x[:, :8] = 1000.0  # 1/8 of the elements saturate
+    x[:, 8:12] = 1e-4  # 1/16 flush to zero (E4M3 subnormals stop at 2**-9)
+    layer(x).sum().backward()
+    stats = collect_fp8_telemetry(layer)
+    assert stats["fp8//input/saturated"] == pytest.approx(1 / 8)
+    assert stats["fp8//input/flushed_to_zero"] == pytest.approx(1 / 16)
+    assert stats["fp8//input/amax"] == 1000.0 and stats["fp8//input/scale"] == 1.0
+    assert {"fp8//weight/amax", "fp8//grad_output/saturated"} <= set(stats)
+
+    guard = SaturationGuard(threshold=0.01, patience=2)
+    assert guard.check(layer, iteration=1) == []
+    messages = guard.check(layer, iteration=2)
+    assert len(messages) == 1 and "switched to BF16" in messages[0] and "iteration 2" in messages[0]
+    assert layer.force_high_precision
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), "a switched layer runs in high precision"
+
+
+def test_telemetry_is_off_by_default():
+    layer = Fp8Linear(16, 16, recipe=Fp8Recipe.tensorwise())
+    layer(torch.randn(4, 16))
+    assert collect_fp8_telemetry(layer) == {}
+
+
+@pytest.mark.parametrize("gran", list(Granularity), ids=lambda g: g.value)
+def test_float8_tensor_wire_round_trip(gran):
+    x = torch.randn(130, 260)
+    t = Float8Tensor.from_quantized(quantize(x, torch.float8_e4m3fn, gran), gran)
+    wire = t.to_wire()
+    assert wire.dtype == torch.uint8 and wire.numel() == Float8Tensor.wire_nbytes((130, 260), gran)
+    back = Float8Tensor.from_wire(wire, (130, 260), torch.float8_e4m3fn, gran)
+    assert torch.equal(back.data.view(torch.uint8), t.data.view(torch.uint8))
+    assert torch.equal(back.dequantize(), t.dequantize())
+    with pytest.raises(ValueError, match="wire buffer"):
+        Float8Tensor.from_wire(wire[:-1], (130, 260), torch.float8_e4m3fn, gran)
