@@ -3,13 +3,14 @@
     python tools/merge_datasets.py --input data/parts --output-prefix data/corpus_text_document
     python tools/merge_datasets.py --input data/p0_text_document data/p1_text_document --output-prefix OUT
 
-``--input`` is either one directory (every ``*.idx`` prefix in it, in sorted order, as Megatron-LM's
-merge tool) or the prefixes themselves, in the order given. All inputs must share a token dtype.
+``--input`` is either one directory (every ``*.idx`` prefix in it, in natural sort order, so ``p2`` comes
+before ``p10``) or the prefixes themselves, in the order given. All inputs must share a token dtype.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
@@ -21,11 +22,16 @@ def input_prefixes(inputs: list[str]) -> list[str]:
     """Expand a directory into its dataset prefixes; pass prefixes through."""
     if len(inputs) == 1 and os.path.isdir(inputs[0]):
         directory = inputs[0]
-        names = sorted(n[: -len(".idx")] for n in os.listdir(directory) if n.endswith(".idx"))
+        names = sorted((n[: -len(".idx")] for n in os.listdir(directory) if n.endswith(".idx")), key=_natural_key)
         if not names:
             raise IndexedDatasetError(f"--input {directory}: no .idx files in this directory")
         return [os.path.join(directory, n) for n in names]
     return inputs
+
+
+def _natural_key(name: str) -> list:
+    # Jobs name their outputs part0 .. part11: a plain sort would put part10 before part2.
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -263,7 +263,9 @@ def preprocess(
         results = map(encode_chunk, chunks)
 
     begin = time.perf_counter()
+    # progress None: a bar on a terminal, plain log lines every log_interval documents in a batch job's log.
     interactive = progress if progress is not None else sys.stderr.isatty()
+    log_lines = progress is None and not interactive
     bar = tqdm(total=end - start, unit="B", unit_scale=True, desc="preprocess", disable=not interactive)
     docs_at_last_log = 0
     try:
@@ -278,13 +280,12 @@ def preprocess(
             summary.bytes += result.num_bytes
             bar.update(result.num_bytes)
             docs = summary.documents[json_keys[0]]
-            if docs - docs_at_last_log >= log_interval:
+            if interactive:  # tqdm redraws at its own pace; the postfix only has to be current
+                bar.set_postfix_str(_rates(summary, json_keys[0], time.perf_counter() - begin), refresh=False)
+            elif log_lines and docs - docs_at_last_log >= log_interval:
                 docs_at_last_log = docs
-                rates = _rates(summary, json_keys[0], time.perf_counter() - begin)
-                if interactive:
-                    bar.set_postfix_str(rates, refresh=False)
-                else:
-                    print(f"processed {docs} documents: {rates}", flush=True)
+                print(f"processed {docs:,} documents: {_rates(summary, json_keys[0], time.perf_counter() - begin)}",
+                      flush=True)
         for writer in writers.values():
             writer.finalize()
     except BaseException:
