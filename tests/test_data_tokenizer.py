@@ -122,3 +122,19 @@ def test_train_tokenizer_reports_bad_input(tmp_path):
     result = run_tool("train_tokenizer.py", "--input", str(tmp_path / "missing.jsonl"),
                       "--model-prefix", str(tmp_path / "t"), "--vocab-size", "300")
     assert result.returncode == 1 and "missing.jsonl: no such file" in result.stderr
+
+
+def test_huggingface_directory_without_tokenizer_json_goes_through_transformers(tmp_path):
+    """A GPT-2 style directory (vocab.json + merges.txt) loads with transformers.AutoTokenizer, offline."""
+    pytest.importorskip("transformers")
+    from tokenizers import ByteLevelBPETokenizer
+
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator(["def f(x): return x", "hello world"] * 50, vocab_size=300,
+                                special_tokens=["</s>", "<pad>"])
+    trained.save_model(str(tmp_path))
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "eos_token": "</s>", "pad_token": "<pad>"}, f)
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert (tok.eod, tok.pad, tok.bos) == (0, 1, None)
+    assert tok.tokenize("def f(x): return x") == trained.encode("def f(x): return x").ids

@@ -246,7 +246,6 @@ def preprocess(
     dtype = optimal_dtype(tokenizer.vocab_size)
     prefixes = {key: f"{output_prefix}_{key}_document" for key in json_keys}
     summary = PreprocessSummary(prefixes, {k: 0 for k in json_keys}, {k: 0 for k in json_keys})
-    summary.problem_examples = {}
     writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
     init_args = (tokenizer, input_path, list(json_keys), append_eod, dtype)
     chunks = iter_chunks(input_path, start, end, chunk_bytes)
