@@ -17,16 +17,22 @@ Shapes (T tokens = all leading dims flattened, in = K of fprop, out = N of fprop
 Every GEMM operand is K-major, which Hopper's FP8 tensor cores require; the transposed copies come
 from the quantizer's fused cast+transpose. Forward saves x^T in FP8 (not the high-precision input):
 half the activation memory of a BF16 linear. The FP8 weight is held by the module, not by autograd.
+
+Under sequence parallelism (a SequenceParallelInput given by the tensor-parallel layer) x arrives as
+this rank's sequence shard: it is quantized once, its FP8 bytes + scales are all-gathered, and dgrad's
+full-sequence result is reduce-scattered back to the shard.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8_kernels import fp8_gemm, quantize
+from megafp8_kernels import Granularity, fp8_format, fp8_gemm, quantize, scale_from_amax
 
 from .autocast import resolve_recipe
 from .recipe import ROLES, Fp8Recipe
@@ -35,12 +41,28 @@ from .telemetry import record_fp8_stats
 from .tensor import Float8Tensor
 
 
+class SequenceParallelInput(Protocol):
+    """How a column-parallel layer under sequence parallelism moves its FP8 input; megafp8.parallel
+    implements it over the TP group. Rows are tokens, sequence-major, so gathering rows gathers the sequence."""
+
+    def sync_amax(self, amax: torch.Tensor) -> None:
+        """In-place MAX over the group (current tensorwise scaling needs one scale on every rank)."""
+
+    def gather_rows(self, x: Float8Tensor) -> Float8Tensor:
+        """All-gather the row-major FP8 bytes and their scales: 1 byte per element on the wire."""
+
+    def reduce_scatter_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        """Sum the full-sequence dgrad over the group and keep this rank's rows."""
+
+
 def _quantize(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingState | None, transpose: bool,
-              layer: Fp8Linear) -> Float8Tensor:
+              layer: Fp8Linear, scale: torch.Tensor | None = None) -> Float8Tensor:
     """Quantize one operand by the recipe; delayed scaling uses and feeds the role's ScalingState."""
     gran = recipe.granularity(role)
-    q = quantize(x2d, recipe.dtype(role), gran, power_of_2_scale=recipe.power_of_2_scale,
-                 scale=state.scale if state is not None else None, transpose=transpose)
+    if scale is None and state is not None:
+        scale = state.scale
+    q = quantize(x2d, recipe.dtype(role), gran, power_of_2_scale=recipe.power_of_2_scale, scale=scale,
+                 transpose=transpose)
     if state is not None:
         state.observe(q.amax)
     fp8 = Float8Tensor.from_quantized(q, gran)
@@ -49,16 +71,41 @@ def _quantize(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingSta
     return fp8
 
 
+def _quantize_input(x2d: torch.Tensor, recipe: Fp8Recipe, layer: Fp8Linear, needs_wgrad: bool,
+                    sp_input: SequenceParallelInput | None) -> Float8Tensor:
+    """The FP8 input of fprop (row-major) and, for wgrad, its transposed copy."""
+    state = layer.scaling_state("input", recipe)
+    if sp_input is None:
+        return _quantize(x2d, recipe, "input", state, needs_wgrad, layer)
+    # Sequence parallel: quantize this rank's rows ONCE and all-gather the FP8 bytes, not BF16.
+    gran = recipe.granularity("input")
+    scale = None
+    if state is None and gran is Granularity.TENSORWISE:  # current scaling: agree on one scale first
+        amax = x2d.detach().abs().amax().float()
+        sp_input.sync_amax(amax)
+        scale = scale_from_amax(amax, fp8_format(recipe.dtype("input")).max, recipe.power_of_2_scale)
+    full = sp_input.gather_rows(_quantize(x2d, recipe, "input", state, False, layer, scale=scale))
+    if not needs_wgrad:
+        return full
+    if gran is Granularity.TENSORWISE:  # one scale: the transposed copy is the same bytes, moved
+        return dataclasses.replace(full, data_t=full.data.t().contiguous(), scale_inv_t=full.scale_inv)
+    # Row/1x128 groups of the transposed copy span every rank's rows: re-quantize the gathered FP8
+    # values along the other axis (a second rounding of already-FP8 values, instead of gathering twice).
+    q = quantize(full.dequantize(), full.fp8_dtype, gran, power_of_2_scale=recipe.power_of_2_scale, transpose=True)
+    return dataclasses.replace(full, data_t=q.data_t, scale_inv_t=q.scale_inv_t)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, recipe: Fp8Recipe, layer: Fp8Linear):
+    def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, recipe: Fp8Recipe, layer: Fp8Linear,
+                sp_input: SequenceParallelInput | None):
         x2d = x.reshape(-1, x.shape[-1])
         needs_wgrad = ctx.needs_input_grad[1]  # grad mode is off inside forward; ask autograd instead
-        x_fp8 = _quantize(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer)
+        x_fp8 = _quantize_input(x2d, recipe, layer, needs_wgrad, sp_input)
         y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x.dtype, bias)
 
         ctx.recipe, ctx.layer, ctx.weight_fp8 = recipe, layer, weight_fp8  # the module owns the FP8 weight
-        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        ctx.sp_input, ctx.x_dtype, ctx.x_shape = sp_input, x.dtype, x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
         if needs_wgrad:
             x_t, x_scale_t = x_fp8.col_major()  # only the transposed FP8 bytes survive forward
@@ -66,7 +113,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.x_granularity = x_fp8.granularity
         else:
             ctx.save_for_backward(None, None, weight)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y.view(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 grows by the TP size under sequence parallel
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -80,6 +127,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_input = None
         if needs_dgrad:
             grad_input = fp8_gemm_operands(dy_fp8.row_major(), ctx.weight_fp8.col_major(), ctx.x_dtype)
+            if ctx.sp_input is not None:
+                grad_input = ctx.sp_input.reduce_scatter_rows(grad_input)
             grad_input = grad_input.view(ctx.x_shape)
 
         # ---- wgrad: dW = dY^T @ x ----
@@ -95,7 +144,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_bias = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = dy2d.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
@@ -182,7 +231,7 @@ class Fp8Linear(nn.Module):
         if recipe is None:
             return F.linear(x, weight, self.bias)
         weight_fp8 = self.fp8_weight(recipe, weight if input_channel_scale is not None else None)
-        return _Fp8LinearFunction.apply(x, weight, self.bias, weight_fp8, recipe, self)
+        return _Fp8LinearFunction.apply(x, weight, self.bias, weight_fp8, recipe, self, None)
 
     def extra_repr(self) -> str:
         recipe = "autocast" if self.recipe is None else self.recipe.scaling
@@ -191,9 +240,10 @@ class Fp8Linear(nn.Module):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_fp8: Float8Tensor,
-               recipe: Fp8Recipe, layer: Fp8Linear) -> torch.Tensor:
-    """The FP8 linear autograd op on its own, for parallel layers that manage their own weight shard."""
-    return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, recipe, layer)
+               recipe: Fp8Recipe, layer: Fp8Linear, sp_input: SequenceParallelInput | None = None) -> torch.Tensor:
+    """The FP8 linear autograd op on its own, for tensor-parallel layers. With `sp_input` the input is
+    this rank's sequence shard: it is quantized, all-gathered as FP8, and dgrad is reduce-scattered back."""
+    return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, recipe, layer, sp_input)
 
 
 def invalidate_fp8_weight_caches(model: nn.Module) -> None:
