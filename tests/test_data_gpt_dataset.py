@@ -200,3 +200,16 @@ def test_blend_split_without_documents_from_a_member(tmp_path):
     with pytest.warns(UserWarning, match="test split .* has no documents from .*a; it is blended from the other"):
         test = build_train_valid_test_datasets(data_path, "969,30,1", 16, 0, 0, 0, None)[2]
     assert len(test) == (25 - 1) // 16 and set(np.asarray(test.dataset_index).tolist()) == {0}
+
+
+def test_datasets_pickle_cached_indices_by_path(tmp_path):
+    """Data-loader workers get the .npy paths, not copies of the (possibly GB-sized) index arrays."""
+    import pickle
+
+    write_synthetic_dataset(str(tmp_path / "a"), [40] * 100, seed=1)
+    write_synthetic_dataset(str(tmp_path / "b"), [40] * 100, seed=2)
+    data_path = ["0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "b")]
+    small, large = (build_train_valid_test_datasets(data_path, "1", 16, 0, n, 0, 0)[0] for n in (300, 3000))
+    assert len(pickle.dumps(large)) - len(pickle.dumps(small)) < 64  # size does not grow with the samples
+    clone = pickle.loads(pickle.dumps(large))
+    assert all(torch.equal(clone[i]["tokens"], large[i]["tokens"]) for i in range(0, 3000, 337))

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megafp8.data.index_cache import IndexCache
+from megafp8.data.index_cache import IndexCache, array_state, restore_array
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
@@ -70,6 +70,17 @@ class BlendedDataset(torch.utils.data.Dataset):
                     f"the blend takes {needed} samples from dataset {d}, which has only {len(self.datasets[d])}"
                 )
 
+    def __getstate__(self) -> dict:  # pass cached index files by path to data-loader workers
+        state = dict(self.__dict__)
+        state.update(dataset_index=array_state(self.dataset_index),
+                     dataset_sample_index=array_state(self.dataset_sample_index))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.dataset_index = restore_array(state["dataset_index"])
+        self.dataset_sample_index = restore_array(state["dataset_sample_index"])
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -96,4 +107,5 @@ def cached_blending_indices(
         dataset_index, dataset_sample_index = build_blending_indices(weights, num_samples)
         arrays = {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
         cache.save(arrays)
+        arrays = cache.load(("dataset_index", "dataset_sample_index")) or arrays
     return arrays["dataset_index"], arrays["dataset_sample_index"]

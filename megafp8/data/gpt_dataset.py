@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from megafp8.data.index_cache import IndexCache, dataset_fingerprint
+from megafp8.data.index_cache import IndexCache, array_state, dataset_fingerprint, restore_array
 from megafp8.data.indexed_dataset import IndexedDataset
 
 _INDEX_VERSION = 1  # bump when the index construction changes, so old caches are not reused
@@ -126,6 +126,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if arrays is None:
             arrays = dict(zip(names, self._build(documents, seed)))
             self.cache.save(arrays)
+            # Map the saved files rather than keep the built copies: workers then pickle paths, not arrays.
+            arrays = self.cache.load(names) or arrays
         self.build_seconds = time.perf_counter() - start
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
@@ -139,6 +141,18 @@ class GPTDataset(torch.utils.data.Dataset):
         )
         shuffle_index = build_shuffle_index(self.num_samples, rng)
         return document_index, sample_index, shuffle_index
+
+    _ARRAYS = ("document_index", "sample_index", "shuffle_index")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update({name: array_state(state[name]) for name in self._ARRAYS})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for name in self._ARRAYS:
+            setattr(self, name, restore_array(state[name]))
 
     def __len__(self) -> int:
         return self.num_samples

@@ -83,3 +83,19 @@ class IndexCache:
             os.replace(path + suffix, path)
         except OSError as exc:
             warnings.warn(f"could not write the index cache in {self.cache_dir} ({exc}); indices stay in memory")
+
+
+def array_state(array: np.ndarray):
+    """Pickle form of an index array: the .npy path when it is mapped from the cache, else the array.
+
+    Data-loader workers receive datasets by pickle, and pickling a np.memmap copies all of its pages.
+    """
+    if isinstance(array, np.memmap) and array.filename:
+        return ("npy", array.filename)
+    return array
+
+
+def restore_array(state) -> np.ndarray:
+    if isinstance(state, tuple) and state and state[0] == "npy":
+        return np.load(state[1], mmap_mode="r")
+    return state
