@@ -1,0 +1,213 @@
+"""The one module every collective goes through: thin wrappers over torch.distributed that count the
+bytes this rank sends per collective kind and move float8 tensors as uint8 views.
+
+Byte-counting convention ("bytes this rank puts on the wire" under the ring / direct algorithms that
+NCCL and gloo use, i.e. NCCL-tests' bus bytes), with ``n`` the group size and ``B`` byte sizes:
+
+=====================  =========================================================
+collective             bytes charged to the calling rank
+=====================  =========================================================
+all-gather             ``B(local shard) * (n - 1)``  (every peer needs our shard)
+reduce-scatter         ``B(input) / n * (n - 1)``    (one output-sized chunk per peer)
+all-reduce             ``2 * B(tensor) * (n - 1) // n`` (reduce-scatter + all-gather)
+send                   ``B(tensor)``; a receive is charged nothing (the sender paid)
+=====================  =========================================================
+
+Groups of size 1 issue no collective and are charged nothing. FP8 payloads are charged at one byte per
+element, and their scales are charged separately under the same kind, so an FP8 all-gather's counter
+is exactly what a uint8 + fp32-scale transfer costs.
+
+These wrappers are not differentiable (inputs are detached); ``mappings`` pairs them into autograd Functions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# The keys of `comm_bytes` in metrics.jsonl (see DESIGN.md). A fixed set catches a misspelt kind at
+# the call site instead of silently opening a new counter.
+COMM_KINDS: tuple[str, ...] = (
+    "tp_sp_allgather",      # sequence-parallel all-gather along the sequence dim (activations)
+    "tp_reduce_scatter",    # sequence-parallel reduce-scatter after row-parallel layers / in backward
+    "tp_allreduce",         # TP all-reduce: row-parallel output without SP, column input grads, CE
+    "tp_allgather",         # TP all-gather along the last (hidden / vocab) dim, e.g. gather_output
+    "pp_p2p",               # pipeline send/recv of activations and their grads
+    "dp_grad_reduce",       # data-parallel gradient all-reduce / reduce-scatter
+    "dp_param_allgather",   # ZeRO parameter all-gather after the optimizer step
+    "amax_reduce",          # FP8 amax reduction over the TP x DP group
+    "embedding_allreduce",  # tied-embedding grad all-reduce between first and last PP stage
+)
+
+_FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names; GPU machines
+# may bring an older torch that only has the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommCounters:
+    """Bytes sent by this rank per collective kind, reset by the training loop once per iteration."""
+
+    def __init__(self) -> None:
+        self._bytes = dict.fromkeys(COMM_KINDS, 0)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        if kind not in self._bytes:
+            raise KeyError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}")
+        self._bytes[kind] += int(nbytes)
+
+    def __getitem__(self, kind: str) -> int:
+        return self._bytes[kind]
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._bytes)
+
+    def reset(self) -> None:
+        self._bytes = dict.fromkeys(COMM_KINDS, 0)
+
+    def snapshot_and_reset(self) -> dict[str, int]:
+        """What `comm_bytes` in metrics.jsonl records for one iteration."""
+        snap = self.snapshot()
+        self.reset()
+        return snap
+
+
+@dataclass(frozen=True)
+class GroupHandle:
+    """A process group with the facts every caller needs about it and the counters its traffic is charged to.
+
+    ``group`` is None when the group has a single member: no collective is issued then, which also lets
+    a TP=1 model run in a process that never initialized torch.distributed.
+    """
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]   # global ranks, in group order
+    rank: int                # this process's index inside `ranks`
+    counters: CommCounters
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def solo(cls, global_rank: int = 0, counters: CommCounters | None = None) -> "GroupHandle":
+        return cls(group=None, ranks=(global_rank,), rank=0, counters=counters or CommCounters())
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    # gloo and some NCCL builds reject float8 dtypes; the bytes are what matter on the wire.
+    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
+    """Gather equal-sized ``input_`` from every group member into ``output`` (concatenated along dim 0).
+
+    Accepts float8 tensors (sent as uint8). ``output`` must be contiguous with ``size * input_.numel()``
+    elements of the same dtype.
+    """
+    if output.dtype != input_.dtype or output.numel() != input_.numel() * handle.size:
+        raise ValueError(f"all_gather_into_tensor: output {tuple(output.shape)} {output.dtype} does not hold "
+                         f"{handle.size} x input {tuple(input_.shape)} {input_.dtype}")
+    if handle.size == 1:
+        output.copy_(input_.reshape(output.shape))
+        return output
+    handle.counters.add(kind, _nbytes(input_) * (handle.size - 1))
+    _all_gather_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group)
+    return output
+
+
+def all_gather(input_: torch.Tensor, handle: GroupHandle, kind: str, dim: int = 0) -> torch.Tensor:
+    """Concatenate every member's ``input_`` along ``dim`` (any dtype, float8 included)."""
+    if handle.size == 1:
+        return input_
+    dim = dim % input_.dim()
+    if dim == 0:
+        gathered = torch.empty((handle.size * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype,
+                               device=input_.device)
+        return all_gather_into_tensor(gathered, input_, handle, kind)
+    # The wire format is dim-0 concatenation; move `dim` to the front and back (copies, but only
+    # off the sequence-parallel hot path, which always gathers dim 0).
+    moved = input_.movedim(dim, 0).contiguous()
+    gathered = torch.empty((handle.size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    all_gather_into_tensor(gathered, moved, handle, kind)
+    return gathered.movedim(0, dim).contiguous()
+
+
+def all_gather_quantized(data: torch.Tensor, scale_inv: torch.Tensor, handle: GroupHandle,
+                         kind: str = "tp_sp_allgather") -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather an FP8 payload (dim 0) and its scales: one byte per element plus the scale tensor.
+
+    A per-tensor scale (0-dim) comes back as one scale per member, shape ``(size,)``; row/block scales
+    whose dim 0 follows the payload's rows are concatenated along dim 0 like the payload.
+    """
+    gathered_data = all_gather(data, handle, kind, dim=0)
+    scales = scale_inv.reshape(1) if scale_inv.dim() == 0 else scale_inv
+    gathered_scales = all_gather(scales, handle, kind, dim=0)
+    return gathered_data, gathered_scales
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
+    """Sum ``input_`` over the group and keep this member's dim-0 chunk in ``output``."""
+    if input_.numel() != output.numel() * handle.size:
+        raise ValueError(f"reduce_scatter_tensor: input {tuple(input_.shape)} is not {handle.size} x output "
+                         f"{tuple(output.shape)}")
+    if handle.size == 1:
+        output.copy_(input_.reshape(output.shape))
+        return output
+    handle.counters.add(kind, _nbytes(output) * (handle.size - 1))
+    _reduce_scatter_single(output, input_.detach().contiguous(), op=dist.ReduceOp.SUM, group=handle.group)
+    return output
+
+
+def reduce_scatter(input_: torch.Tensor, handle: GroupHandle, kind: str, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, then split along ``dim`` and return this member's chunk."""
+    if handle.size == 1:
+        return input_
+    dim = dim % input_.dim()
+    if input_.shape[dim] % handle.size:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {input_.shape[dim]} does not split into "
+                         f"{handle.size} equal chunks")
+    moved = input_.movedim(dim, 0).contiguous() if dim else input_.contiguous()
+    output = torch.empty((moved.shape[0] // handle.size, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    reduce_scatter_tensor(output, moved, handle, kind)
+    return output.movedim(0, dim).contiguous() if dim else output
+
+
+def all_reduce(tensor: torch.Tensor, handle: GroupHandle, kind: str,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``tensor``; returns it for chaining."""
+    if handle.size == 1:
+        return tensor
+    handle.counters.add(kind, 2 * _nbytes(tensor) * (handle.size - 1) // handle.size)
+    dist.all_reduce(tensor, op=op, group=handle.group)
+    return tensor
+
+
+def split_along_dim(input_: torch.Tensor, handle: GroupHandle, dim: int = 0) -> torch.Tensor:
+    """This member's equal chunk of ``input_`` along ``dim`` (no communication)."""
+    if handle.size == 1:
+        return input_
+    if input_.shape[dim] % handle.size:
+        raise ValueError(f"split_along_dim: dim {dim} of size {input_.shape[dim]} does not split into "
+                         f"{handle.size} equal chunks")
+    return input_.chunk(handle.size, dim=dim)[handle.rank].contiguous()
+
+
+def send(tensor: torch.Tensor, dst: int, counters: CommCounters, kind: str = "pp_p2p",
+         group: dist.ProcessGroup | None = None) -> None:
+    """Blocking point-to-point send to global rank ``dst``."""
+    counters.add(kind, _nbytes(tensor))
+    dist.send(_wire_view(tensor.contiguous()), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Blocking receive into ``tensor`` from global rank ``src`` (not counted: the sender pays)."""
+    dist.recv(_wire_view(tensor), src=src, group=group)
+    return tensor

@@ -1,0 +1,279 @@
+"""The parallel layout (TP x DP x PP) as one object: validated once, then asked for process groups.
+
+Ranks are laid out as in Megatron-LM: tensor parallel innermost, then data parallel, then pipeline,
+so ``rank = tp_rank + TP * (dp_rank + DP * pp_rank)``. TP peers are therefore neighbours (same node,
+fastest links). The rank arithmetic is pure (``rank_coordinates``, ``group_ranks``) and unit-testable
+without processes; ``ParallelState.init_process_groups`` turns it into real groups. Nothing here is a
+module-level global: the state object is created once and passed to whatever needs a group.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megafp8.parallel.collectives import CommCounters, GroupHandle
+
+GROUP_KINDS = ("tp", "dp", "pp", "amax", "embedding")
+
+
+class LayoutError(ValueError):
+    """A user-caused invalid parallel layout; the message names the flag(s) to change."""
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    tp: int
+    dp: int
+    pp: int
+
+
+def rank_coordinates(rank: int, tp: int, dp: int, pp: int) -> RankCoordinates:
+    """Position of global ``rank`` in the (TP, DP, PP) grid, TP innermost."""
+    if not 0 <= rank < tp * dp * pp:
+        raise ValueError(f"rank {rank} is outside a world of {tp * dp * pp} (TP {tp} x DP {dp} x PP {pp})")
+    return RankCoordinates(tp=rank % tp, dp=(rank // tp) % dp, pp=rank // (tp * dp))
+
+
+def global_rank(coords: RankCoordinates, tp: int, dp: int) -> int:
+    return coords.tp + tp * (coords.dp + dp * coords.pp)
+
+
+def group_ranks(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every group of every kind, as lists of global ranks, in a fixed order all ranks agree on.
+
+    - tp: same (dp, pp), consecutive ranks.
+    - dp: same (tp, pp), stride TP.
+    - pp: same (tp, dp), stride TP*DP, first stage first.
+    - amax: the TP x DP ranks of one pipeline stage; FP8 amaxes are reduced over it once per step so
+      every shard of a tensor and every replica use the same scale.
+    - embedding: the first and last stage of each pipeline (just the one rank when PP=1); tied
+      input/output embeddings all-reduce their grads over it.
+    """
+    def rank(t: int, d: int, p: int) -> int:
+        return global_rank(RankCoordinates(t, d, p), tp, dp)
+
+    groups: dict[str, list[list[int]]] = {
+        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "amax": [[rank(t, d, p) for d in range(dp) for t in range(tp)] for p in range(pp)],
+    }
+    groups["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in groups["pp"]]
+    return groups
+
+
+def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None = None,
+                  sequence_parallel: bool = False, num_layers: int | None = None,
+                  hidden_size: int | None = None, ffn_hidden_size: int | None = None,
+                  num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                  seq_length: int | None = None, global_batch_size: int | None = None,
+                  micro_batch_size: int | None = None) -> list[str]:
+    """Every rule the layout breaks, each naming its flag; model/batch checks run only when given."""
+    errors: list[str] = []
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("world size", world_size), ("--micro-batch-size", micro_batch_size),
+                        ("--num-layers-per-virtual-pipeline-stage", vpp_layers)):
+        if value is not None and value < 1:
+            errors.append(f"{flag} must be >= 1, got {value}")
+    if errors:
+        return errors
+    if world_size % (tp * pp):
+        errors.append(f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp} "
+                      f"does not divide the world size ({world_size})")
+    dp = max(world_size // (tp * pp), 1)
+
+    def not_divisible(flag: str, value: int | None, by_flag: str, by: int) -> None:
+        if value is not None and value % by:
+            errors.append(f"{flag} ({value}) must be divisible by {by_flag} ({by})")
+
+    not_divisible("--num-attention-heads", num_attention_heads, "--tensor-model-parallel-size", tp)
+    not_divisible("--num-query-groups", num_query_groups, "--tensor-model-parallel-size", tp)
+    if num_attention_heads is not None and num_query_groups is not None:
+        not_divisible("--num-attention-heads", num_attention_heads, "--num-query-groups", num_query_groups)
+    not_divisible("--hidden-size", hidden_size, "--tensor-model-parallel-size", tp)
+    if hidden_size is not None and num_attention_heads is not None:
+        not_divisible("--hidden-size", hidden_size, "--num-attention-heads", num_attention_heads)
+        if hidden_size % num_attention_heads == 0 and (hidden_size // num_attention_heads) % 2:
+            errors.append(f"--hidden-size / --num-attention-heads = {hidden_size // num_attention_heads} "
+                          "(the head dim) must be even for rotary embeddings")
+    not_divisible("--ffn-hidden-size", ffn_hidden_size, "--tensor-model-parallel-size", tp)
+    not_divisible("--num-layers", num_layers, "--pipeline-model-parallel-size", pp)
+    if vpp_layers is not None:
+        if pp == 1:
+            errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        elif num_layers is not None and num_layers % (pp * vpp_layers):
+            errors.append(f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
+                          f"x --num-layers-per-virtual-pipeline-stage ({vpp_layers})")
+    if sequence_parallel and tp > 1:
+        not_divisible("--seq-length", seq_length, "--tensor-model-parallel-size (with --sequence-parallel)", tp)
+    if global_batch_size is not None and micro_batch_size is not None and global_batch_size % (micro_batch_size * dp):
+        errors.append(f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
+                      f"({micro_batch_size}) x data-parallel size ({dp})")
+    return errors
+
+
+@dataclass
+class ParallelState:
+    """The TP x DP x PP layout of this run and, after ``init_process_groups``, this rank's groups.
+
+    The data-parallel size is derived: ``world_size / (TP * PP)``. Validation of the factors runs in
+    ``__post_init__``; ``validate_model`` adds the checks that need the model and batch sizes and is
+    called by the model constructor, so a bad layout always fails before any compute.
+    """
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    sequence_parallel: bool = False
+    data_parallel_size: int = field(init=False)
+    # Filled by init_process_groups(): this process's rank, coordinates and group handles.
+    rank: int = field(init=False, default=0)
+    coords: RankCoordinates = field(init=False, default=RankCoordinates(0, 0, 0))
+    comm: CommCounters = field(init=False, default_factory=CommCounters, repr=False)
+    _handles: dict[str, GroupHandle | None] = field(init=False, default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._raise_if(layout_errors(**self._layout_kwargs()))
+        self.data_parallel_size = self.world_size // (self.tp_size * self.pp_size)
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp_size > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    def describe(self) -> str:
+        vpp = self.num_layers_per_virtual_pipeline_stage
+        return (f"world size {self.world_size} = --tensor-model-parallel-size {self.tp_size} x data parallel "
+                f"{max(self.world_size // (self.tp_size * self.pp_size), 1)} x --pipeline-model-parallel-size "
+                f"{self.pp_size}" + (f", --num-layers-per-virtual-pipeline-stage {vpp}" if vpp else "")
+                + (", --sequence-parallel" if self.sequence_parallel else ""))
+
+    # -- validation ------------------------------------------------------------------------------
+    def _layout_kwargs(self) -> dict[str, Any]:
+        return dict(world_size=self.world_size, tp=self.tensor_model_parallel_size,
+                    pp=self.pipeline_model_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
+                    sequence_parallel=self.sequence_parallel)
+
+    def _raise_if(self, errors: list[str], model_facts: str = "") -> None:
+        if errors:
+            raise LayoutError("invalid parallel layout:\n  - " + "\n  - ".join(errors)
+                              + f"\n  layout: {self.describe()}" + (f"\n  model: {model_facts}" if model_facts else ""))
+
+    def validate_model(self, config: Any, global_batch_size: int | None = None,
+                       micro_batch_size: int | None = None) -> None:
+        """Check the model dims (any object with ModelConfig's attribute names) and batch sizes."""
+        dims = {name: getattr(config, name, None) for name in (
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length")}
+        facts = ", ".join(f"{k}={v}" for k, v in dims.items() if v is not None)
+        if global_batch_size is not None:
+            facts += f", global_batch_size={global_batch_size}, micro_batch_size={micro_batch_size}"
+        self._raise_if(layout_errors(**self._layout_kwargs(), **dims, global_batch_size=global_batch_size,
+                                     micro_batch_size=micro_batch_size), facts)
+
+    # -- process groups --------------------------------------------------------------------------
+    def init_process_groups(self, rank: int | None = None) -> "ParallelState":
+        """Create every group (all ranks must call this, in the same order) and keep this rank's.
+
+        With ``world_size == 1`` nothing touches torch.distributed, so single-process runs and the
+        TP=1 reference in tests need no process group at all.
+        """
+        if self.world_size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError("ParallelState.init_process_groups: torch.distributed is not initialized; "
+                                   "call megafp8.parallel.parallel_state.initialize_distributed() first")
+            if dist.get_world_size() != self.world_size:
+                raise LayoutError(f"torch.distributed has {dist.get_world_size()} ranks but the layout expects "
+                                  f"{self.world_size}: {self.describe()}")
+            rank = dist.get_rank() if rank is None else rank
+        self.rank = 0 if rank is None else rank
+        self.coords = rank_coordinates(self.rank, self.tp_size, self.dp_size, self.pp_size)
+        for kind, all_groups in group_ranks(self.tp_size, self.dp_size, self.pp_size).items():
+            self._handles[kind] = None
+            for ranks in all_groups:
+                # Every rank creates every group (a torch.distributed rule); single-member groups need none.
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if self.rank in ranks:
+                    self._handles[kind] = GroupHandle(group=group, ranks=tuple(ranks), rank=ranks.index(self.rank),
+                                                      counters=self.comm)
+        return self
+
+    def _handle(self, kind: str) -> GroupHandle:
+        if kind not in self._handles:
+            raise RuntimeError("ParallelState: call init_process_groups() before asking for process groups")
+        handle = self._handles[kind]
+        if handle is None:
+            raise RuntimeError(f"rank {self.rank} (pipeline stage {self.coords.pp}) is not in an {kind} group")
+        return handle
+
+    @property
+    def tp_group(self) -> GroupHandle:
+        return self._handle("tp")
+
+    @property
+    def dp_group(self) -> GroupHandle:
+        return self._handle("dp")
+
+    @property
+    def pp_group(self) -> GroupHandle:
+        return self._handle("pp")
+
+    @property
+    def amax_group(self) -> GroupHandle:
+        return self._handle("amax")
+
+    @property
+    def embedding_group(self) -> GroupHandle:
+        """First + last pipeline stage; raises on a middle stage (it holds no embedding)."""
+        return self._handle("embedding")
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.coords.pp == self.pp_size - 1
+
+
+def default_backend() -> str:
+    """nccl on CUDA machines, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize_distributed(backend: str | None = None, init_method: str | None = None,
+                           world_size: int | None = None, rank: int | None = None) -> None:
+    """Initialize torch.distributed from torchrun's environment (or the given values), once."""
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method or "env://"}
+    if world_size is not None:
+        kwargs.update(world_size=world_size, rank=rank)
+    dist.init_process_group(**kwargs)

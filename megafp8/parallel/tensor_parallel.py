@@ -1,0 +1,239 @@
+"""Tensor-parallel layers (Megatron's column / row split) and the vocab-parallel embedding.
+
+Activations are ``[seq, batch, hidden]``. With sequence parallelism (SP) the tensors between TP
+regions (norm inputs, residuals) are ``[seq/TP, batch, hidden]``: a column-parallel layer gathers the
+sequence before its GEMM and a row-parallel layer reduce-scatters after it.
+
+FP8 plugs in at one method per layer, ``_forward_impl``. It receives exactly what the local GEMM
+needs and returns the local GEMM output; everything around it (entering/leaving the TP region, bias,
+gather_output) stays here:
+
+- ``ColumnParallelLinear._forward_impl(input_, weight)``: input ``[s/TP, b, in]`` under SP (it owns
+  the sequence all-gather, so an FP8 version quantizes once and all-gathers uint8 bytes + scales) or
+  ``[s, b, in]`` without SP; returns ``[s, b, out/TP]``.
+- ``RowParallelLinear._forward_impl(input_parallel)``: ``[s, b, in/TP]`` to the partial sums
+  ``[s, b, out]``; the reduce(-scatter) that follows stays in high precision.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.parallel import collectives as C
+from megafp8.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.sharding import set_tensor_model_parallel_attributes, vocab_range
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """N(0, std) in place; applied to the local shard (each TP rank draws its own slice)."""
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(tensor, mean=0.0, std=std)
+    return init_
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    # ParallelState.validate_model catches user-facing cases first; this guards direct layer use.
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by --tensor-model-parallel-size ({denominator})")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X Aᵀ (+ b)`` with A split along its output features: rank r holds ``A_r`` ``[out/TP, in]``.
+
+    ============  =====================================  ============================================
+    tensor        shape                                  note
+    ============  =====================================  ============================================
+    input         ``[s/TP, b, in]`` (SP) or ``[s, b, in]``  replicated across TP without SP
+    weight        ``[out/TP, in]``                       tags: partition_dim 0, ``partition_stride``
+    output        ``[s, b, out/TP]``                     ``[s, b, out]`` with ``gather_output``
+    ============  =====================================  ============================================
+
+    Backward: dgrad ``dX = dY A_r`` is a partial sum over TP ranks, hence the all-reduce (no SP) or the
+    reduce-scatter back to ``[s/TP, b, in]`` (SP) in the mappings; wgrad ``dA_r = dYᵀ X`` is local.
+    ``skip_weight_param_allocation`` lets the output head use the tied embedding weight passed to
+    ``forward`` (same ``[vocab/TP, hidden]`` shard).
+    """
+
+    def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState, *, bias: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool | None = None,
+                 init_method: InitMethod | None = None, partition_stride: int = 1,
+                 skip_weight_param_allocation: bool = False, padded_vocab: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = parallel_state.tp_group
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = _divide(output_size, self.tp.size, "output size of a column-parallel layer")
+        self.gather_output = gather_output
+        self.sequence_parallel = parallel_state.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if self.sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence parallelism")
+        init_method = init_method or init_method_normal(0.02)
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
+                                                   device=device))
+            set_tensor_model_parallel_attributes(self.weight, 0, partition_stride, padded_vocab)
+            with torch.no_grad():
+                init_method(self.weight)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, 0, partition_stride, padded_vocab)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation: pass `weight`")
+            weight = self.weight
+        if not self.sequence_parallel:
+            input_ = copy_to_tensor_model_parallel_region(input_, self.tp)
+        output = self._forward_impl(input_, weight)
+        if self.bias is not None:
+            output = output + self.bias
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output, self.tp)
+        return output
+
+    def _forward_impl(self, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Sequence all-gather (under SP) + local GEMM: the step the FP8 path replaces as a whole."""
+        if self.sequence_parallel:
+            input_ = gather_from_sequence_parallel_region(input_, self.tp)
+        return F.linear(input_, weight)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition}), "
+                f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X Aᵀ (+ b)`` with A split along its input features: rank r holds ``A_r`` ``[out, in/TP]``.
+
+    ===============  ======================  =============================================================
+    tensor           shape                   note
+    ===============  ======================  =============================================================
+    input            ``[s, b, in/TP]``       the output of a column-parallel layer (``input_is_parallel``)
+    weight           ``[out, in/TP]``        tags: partition_dim 1
+    partial output   ``[s, b, out]``         ``X_r A_rᵀ``; summed over TP ranks
+    output           ``[s/TP, b, out]`` (SP, reduce-scatter) or ``[s, b, out]`` (all-reduce)
+    ===============  ======================  =============================================================
+
+    Backward: the reduce's dual (identity or all-gather) hands every rank the full ``dY``; dgrad
+    ``dX_r = dY A_r`` and wgrad ``dA_r = dYᵀ X_r`` are local. The bias is added after the reduction,
+    so it is replicated; under SP its grad covers only the local sequence chunk and is tagged
+    ``sequence_parallel`` for ``allreduce_sequence_parallel_grads``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState, *, bias: bool = False,
+                 input_is_parallel: bool = True, sequence_parallel: bool | None = None,
+                 init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = parallel_state.tp_group
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = _divide(input_size, self.tp.size, "input size of a row-parallel layer")
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = parallel_state.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        init_method = init_method or init_method_normal(0.02)
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype,
+                                               device=device))
+        set_tensor_model_parallel_attributes(self.weight, 1)
+        with torch.no_grad():
+            init_method(self.weight)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.tp)
+        output_parallel = self._forward_impl(input_)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+    def _forward_impl(self, input_parallel: torch.Tensor) -> torch.Tensor:
+        """Local GEMM producing this rank's partial sum: the step the FP8 path replaces."""
+        return F.linear(input_parallel, self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size} (local {self.input_size_per_partition}), out={self.output_size}, "
+                f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the (padded) vocab: rank r holds rows ``[r*V/TP, (r+1)*V/TP)``.
+
+    Each rank looks up the ids it owns and writes zeros for the rest; summing over TP completes the
+    lookup. Under SP that sum is a reduce-scatter along dim 0, so pass ids as ``[s, b]`` to get
+    ``[s/TP, b, hidden]``; without SP it is an all-reduce and any id shape works.
+    ``num_embeddings`` must already be padded (``sharding.pad_vocab_size``).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel_state: ParallelState, *,
+                 init_method: InitMethod | None = None, sequence_parallel: bool | None = None,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = parallel_state.tp_group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sequence_parallel = parallel_state.sequence_parallel if sequence_parallel is None else sequence_parallel
+        _divide(num_embeddings, self.tp.size, "padded vocab size")
+        self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, self.tp.rank, self.tp.size)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end_index - self.vocab_start_index, embedding_dim,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, 0, padded_vocab=True)
+        with torch.no_grad():
+            (init_method or init_method_normal(0.02))(self.weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        not_owned = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(not_owned, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(not_owned.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}"
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, parallel_state: ParallelState) -> None:
+    """Sum over TP the grads of replicated parameters that saw only a sequence shard (norm weights,
+    row-parallel biases under SP); call after backward, before the DP grad reduction. One collective."""
+    tp = parallel_state.tp_group
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if tp.size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    C.all_reduce(flat, tp, "tp_allreduce")
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(reduced.view_as(grad))
