@@ -1,0 +1,56 @@
+"""Causal grouped-query self-attention with a fused, column-parallel QKV projection.
+
+Fused QKV layout (rows of ``linear_qkv.weight``, full TP=1 tensor ``[(H + 2G) * d, hidden]``, with H
+query heads, G query groups = KV heads, r = H / G and head dim d): one block per query group g, in
+group order, each block ``[q heads g*r .. g*r + r - 1 (r*d rows), k head g (d rows), v head g (d rows)]``.
+This is Megatron-Core's layout; because a group's block is contiguous, a plain dim-0 split over TP
+gives each rank whole groups (G/TP of them) with their query heads, no reshuffling needed.
+``hf_mapping`` converts it to and from HF's separate q_proj / k_proj / v_proj.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megafp8.model.config import ModelConfig
+from megafp8.model.rotary import apply_rotary
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
+
+
+class SelfAttention(nn.Module):
+    """``[s/TP or s, b, hidden]`` in and out; attention itself runs on ``[b, heads/TP, s, d]``."""
+
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
+        super().__init__()
+        tp_size = parallel_state.tp_size
+        self.head_dim = config.head_dim
+        self.query_heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.local_heads = config.num_attention_heads // tp_size
+        self.local_groups = config.num_query_groups // tp_size
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, parallel_state,
+                                               init_method=init_method_normal(config.init_method_std),
+                                               params_dtype=config.params_dtype)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                             parallel_state, init_method=init_method_normal(config.output_init_std),
+                                             params_dtype=config.params_dtype)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, G/TP * (r + 2) * d]
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.local_groups, self.query_heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.query_heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_heads, self.head_dim)  # heads of a group stay adjacent
+        k = k.reshape(s, b, self.local_groups, self.head_dim)
+        v = v.reshape(s, b, self.local_groups, self.head_dim)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        # enable_gqa maps query head i to KV head i // r, matching the group-major head order above.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.local_heads != self.local_groups)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, H/TP * d]
+        return self.linear_proj(out)

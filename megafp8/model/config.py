@@ -1,0 +1,59 @@
+"""ModelConfig: the architecture of a Llama-style decoder, with Megatron flag names for its fields."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megafp8.parallel.sharding import pad_vocab_size
+
+ACTIVATIONS = ("swiglu", "smooth_swiglu")
+
+
+@dataclass
+class ModelConfig:
+    """Field ``foo_bar`` is the flag ``--foo-bar``. Defaults are a tiny model, not a recommendation."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 172
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (one KV head per query head)
+    seq_length: int = 16
+    max_position_embeddings: int | None = None  # None: seq_length
+    vocab_size: int = 100  # the tokenizer's vocab; the embedding is padded (see padded_vocab_size)
+    make_vocab_size_divisible_by: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # --untie-embeddings-and-output-weights is the Megatron flag's inverse
+    init_method_std: float = 0.02
+    # Output projections (attention linear_proj, MLP linear_fc2) use std / sqrt(2 * num_layers), as in
+    # GPT-2 / Megatron: each adds into the residual stream, whose variance would otherwise grow with depth.
+    scaled_init_output_projections: bool = True
+    activation: str = "swiglu"
+    params_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                             f"({self.max_position_embeddings})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def output_init_std(self) -> float:
+        if not self.scaled_init_output_projections:
+            return self.init_method_std
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp_size)

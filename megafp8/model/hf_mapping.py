@@ -1,0 +1,123 @@
+"""megafp8 (TP=1) state dict <-> HF ``LlamaForCausalLM`` state dict, and the matching LlamaConfig fields.
+
+====================================================  ====================================================
+megafp8                                               HF Llama
+====================================================  ====================================================
+embedding.weight  [V_padded, h]                       model.embed_tokens.weight [V, h] (padding rows cut)
+layers.{i}.input_layernorm.weight                     model.layers.{i}.input_layernorm.weight
+layers.{i}.self_attention.linear_qkv.weight           q_proj / k_proj / v_proj, group-interleaved (below)
+layers.{i}.self_attention.linear_proj.weight          model.layers.{i}.self_attn.o_proj.weight
+layers.{i}.pre_mlp_layernorm.weight                   model.layers.{i}.post_attention_layernorm.weight
+layers.{i}.mlp.linear_fc1.weight  [2*ffn, h]          cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+layers.{i}.mlp.linear_fc2.weight                      model.layers.{i}.mlp.down_proj.weight
+final_layernorm.weight                                model.norm.weight
+output_layer.weight  [V_padded, h] (absent if tied)   lm_head.weight [V, h] (absent if tied)
+====================================================  ====================================================
+
+``linear_qkv.weight`` viewed as ``[G, r + 2, d, h]`` (G KV heads, r = heads / G, head dim d): entry
+``[g, :r]`` are q heads ``g*r .. g*r+r-1``, ``[g, r]`` is k head g, ``[g, r+1]`` is v head g. Both sides
+use the same rotate-half RoPE convention, so q/k need no permutation. Sharded checkpoints are first
+unsharded with ``megafp8.parallel.sharding``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megafp8.model.config import ModelConfig
+from megafp8.parallel.sharding import resize_vocab_dim
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``linear_qkv.weight`` -> HF (q_proj, k_proj, v_proj) weights."""
+    groups, d = config.num_query_groups, config.head_dim
+    r = config.num_attention_heads // groups
+    blocks = qkv.reshape(groups, r + 2, d, qkv.shape[-1])
+    hidden = qkv.shape[-1]
+    return (blocks[:, :r].reshape(groups * r * d, hidden).clone(),
+            blocks[:, r].reshape(groups * d, hidden).clone(),
+            blocks[:, r + 1].reshape(groups * d, hidden).clone())
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """HF (q_proj, k_proj, v_proj) weights -> fused ``linear_qkv.weight`` in the group-interleaved layout."""
+    groups, d = config.num_query_groups, config.head_dim
+    r = config.num_attention_heads // groups
+    hidden = q.shape[-1]
+    blocks = torch.cat([q.reshape(groups, r, d, hidden), k.reshape(groups, 1, d, hidden),
+                        v.reshape(groups, 1, d, hidden)], dim=1)
+    return blocks.reshape(-1, hidden)
+
+
+_LAYER_RENAMES = {  # megafp8 suffix -> HF suffix, for the one-to-one tensors of a layer
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A full (TP=1) megafp8 state dict as HF Llama tensors (vocab padding removed)."""
+    hf = {"model.embed_tokens.weight": state_dict["embedding.weight"][: config.vocab_size].clone(),
+          "model.norm.weight": state_dict["final_layernorm.weight"]}
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state_dict["output_layer.weight"][: config.vocab_size].clone()
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for src, dst in _LAYER_RENAMES.items():
+            hf[theirs + dst] = state_dict[ours + src]
+        q, k, v = split_qkv(state_dict[ours + "self_attention.linear_qkv.weight"], config)
+        hf[theirs + "self_attn.q_proj.weight"], hf[theirs + "self_attn.k_proj.weight"] = q, k
+        hf[theirs + "self_attn.v_proj.weight"] = v
+        gate, up = state_dict[ours + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"] = gate.clone(), up.clone()
+    return hf
+
+
+def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
+                       tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """HF Llama tensors as a full megafp8 state dict, vocab zero-padded for ``tp_size``."""
+    padded = config.padded_vocab_size(tp_size)
+    sd = {"embedding.weight": resize_vocab_dim(hf_state_dict["model.embed_tokens.weight"], padded),
+          "final_layernorm.weight": hf_state_dict["model.norm.weight"]}
+    if not config.tie_embeddings:
+        sd["output_layer.weight"] = resize_vocab_dim(hf_state_dict["lm_head.weight"], padded)
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for src, dst in _LAYER_RENAMES.items():
+            sd[ours + src] = hf_state_dict[theirs + dst]
+        sd[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf_state_dict[theirs + "self_attn.q_proj.weight"], hf_state_dict[theirs + "self_attn.k_proj.weight"],
+            hf_state_dict[theirs + "self_attn.v_proj.weight"], config)
+        sd[ours + "mlp.linear_fc1.weight"] = torch.cat([hf_state_dict[theirs + "mlp.gate_proj.weight"],
+                                                        hf_state_dict[theirs + "mlp.up_proj.weight"]])
+    return sd
+
+
+def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.LlamaConfig`` describing the same architecture."""
+    return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+                num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
+                head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, hidden_act="silu",
+                attention_bias=False, mlp_bias=False, tie_word_embeddings=config.tie_embeddings,
+                initializer_range=config.init_method_std)
+
+
+def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of an HF ``LlamaConfig`` (attribute access, so a loaded config.json works too)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                  ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
+                  num_query_groups=hf_config.num_key_value_heads, vocab_size=hf_config.vocab_size,
+                  max_position_embeddings=hf_config.max_position_embeddings,
+                  seq_length=seq_length or hf_config.max_position_embeddings, norm_eps=hf_config.rms_norm_eps,
+                  rope_theta=theta, tie_embeddings=hf_config.tie_word_embeddings,
+                  init_method_std=hf_config.initializer_range)
+    fields.update(overrides)
+    return ModelConfig(**fields)

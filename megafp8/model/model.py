@@ -1,0 +1,115 @@
+"""GPTModel: a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) built from tensor-parallel layers.
+
+Data flow (activations ``[seq, batch, hidden]`` as in Megatron, so sequence-parallel splits are
+contiguous dim-0 chunks; under SP, "s" between TP regions is ``s/TP``)::
+
+    input_ids [b, s] -> transpose -> embedding (vocab-parallel)      [s, b, h]
+      -> num_layers x TransformerLayer:
+           x = x + linear_proj(attention(linear_qkv(input_layernorm(x))))
+           x = x + linear_fc2(swiglu(linear_fc1(pre_mlp_layernorm(x))))
+      -> final_layernorm -> output_layer (column-parallel)           [s, b, V/TP]
+      -> labels given: vocab-parallel CE -> per-token loss          [b, s]
+         else: logits transposed to                                 [b, s, V/TP]
+
+Parameter names (``layers.{i}.self_attention.linear_qkv.weight``, ...) follow Megatron-Core; their
+HF Llama counterparts and the fused layouts are in ``megafp8.model.hf_mapping``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from megafp8.model.attention import SelfAttention
+from megafp8.model.config import ModelConfig
+from megafp8.model.mlp import MLP
+from megafp8.model.norm import RMSNorm
+from megafp8.model.rotary import RotaryEmbedding
+from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm decoder block; residual adds happen on the (sequence-sharded under SP) layer input."""
+
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
+        super().__init__()
+        sp = parallel_state.sequence_parallel
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype)
+        self.self_attention = SelfAttention(config, parallel_state)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype)
+        self.mlp = MLP(config, parallel_state)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), rotary)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class GPTModel(nn.Module):
+    """The decoder, or the slice of it one pipeline stage holds.
+
+    ``pre_process`` (first stage) owns the embedding, ``post_process`` (last stage) the final norm,
+    output head and loss; ``layer_numbers`` are the global indices of the layers this stage holds
+    (default: all), kept as the parameter-name index so checkpoints are layout-independent.
+    The layout is validated against the config before any parameter is allocated.
+    """
+
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, pre_process: bool = True,
+                 post_process: bool = True, layer_numbers: Sequence[int] | None = None) -> None:
+        super().__init__()
+        parallel_state.validate_model(config)
+        self.config = config
+        self.parallel_state = parallel_state
+        self.tp = parallel_state.tp_group
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.padded_vocab_size = config.padded_vocab_size(parallel_state.tp_size)
+        self.share_embeddings_and_output_weights = config.tie_embeddings and pre_process and post_process
+        std = config.init_method_std
+
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, parallel_state,
+                                                    init_method=init_method_normal(std),
+                                                    params_dtype=config.params_dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state) for i in layer_numbers})
+        if post_process:
+            self.final_layernorm = RMSNorm(config.hidden_size, config.norm_eps, parallel_state.sequence_parallel,
+                                           config.params_dtype)
+            # With tied embeddings on one stage the head reuses embedding.weight (same [V/TP, h] shard);
+            # across pipeline stages the last stage keeps its own copy, tagged for the embedding-group sync.
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, parallel_state, init_method=init_method_normal(std),
+                skip_weight_param_allocation=self.share_embeddings_and_output_weights, padded_vocab=True,
+                params_dtype=config.params_dtype)
+            if config.tie_embeddings and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+
+    def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` / ``labels``: ``[b, s]``; ``hidden_states``: the previous stage's output when not
+        ``pre_process``. Returns the per-token loss ``[b, s]`` (fp32) when ``labels`` is given, else the
+        local logits shard ``[b, s, V/TP]`` (padded vocab), or the hidden states when not ``post_process``."""
+        if self.pre_process:
+            x = self.embedding(input_ids.t().contiguous())  # [s(/TP), b, h]
+        elif hidden_states is None:
+            raise ValueError("GPTModel without pre_process needs hidden_states from the previous stage")
+        else:
+            x = hidden_states
+        seq_len = x.shape[0] * (self.tp.size if self.parallel_state.sequence_parallel else 1)
+        rotary = self.rotary(seq_len)
+        for layer in self.layers.values():
+            x = layer(x, rotary)
+        if not self.post_process:
+            return x
+
+        x = self.final_layernorm(x)
+        output_weight = self.embedding.weight if self.share_embeddings_and_output_weights else None
+        logits = self.output_layer(x, weight=output_weight)  # [s, b, V/TP]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, vocab_size=self.config.vocab_size)
+        return loss.t().contiguous()

@@ -1,0 +1,29 @@
+"""RMSNorm computed in fp32 whatever the activation dtype (norms stay in high precision, see DESIGN.md)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, Llama's normalization (no mean subtraction, no bias).
+
+    Matches ``transformers`` LlamaRMSNorm: normalize in fp32, cast back, then scale. Under sequence
+    parallelism each TP rank normalizes its own sequence chunk with a replicated weight, so the weight
+    is tagged ``sequence_parallel`` and its grad is summed over TP after backward.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
