@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megafp8.fp8.linear as fp8_linear_module
+import megafp8.fp8.linear_function as fp8_linear_function
 from fp8_testing import gaussian_with_outlier_channels, sqnr_db
 from megafp8.fp8 import (
     Fp8Linear,
@@ -98,14 +98,14 @@ def test_weight_quantized_once_per_step_across_micro_batches(monkeypatch, name):
     """4 micro-batches per step, 2 steps: the quantize kernel sees the weight exactly twice."""
     layer = Fp8Linear(64, 32, recipe=RECIPES[name])
     weight_calls = []
-    real_quantize = fp8_linear_module.quantize
+    real_quantize = fp8_linear_function.quantize
 
     def counting_quantize(x, *args, **kwargs):
         if x.data_ptr() == layer.weight.data_ptr():
             weight_calls.append(kwargs.get("transpose"))
         return real_quantize(x, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_module, "quantize", counting_quantize)
+    monkeypatch.setattr(fp8_linear_function, "quantize", counting_quantize)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     manager = Fp8ScalingManager(layer)
     for step in range(2):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .linear import Fp8Linear
+from .linear import Fp8GemmModule
 from .recipe import Fp8Recipe
 
 
@@ -25,12 +25,12 @@ def layer_recipes(num_layers: int, recipe: Fp8Recipe | None, first_last_layers_b
 
 
 def apply_precision_map(blocks: Sequence[nn.Module], recipes: Sequence[Fp8Recipe | None]) -> None:
-    """Give every Fp8Linear in block i the recipe recipes[i]; None forces high precision."""
+    """Give every FP8-capable linear in block i the recipe recipes[i]; None forces high precision."""
     if len(blocks) != len(recipes):
         raise ValueError(f"{len(blocks)} blocks but {len(recipes)} recipes")
     for block, recipe in zip(blocks, recipes):
         for module in block.modules():
-            if isinstance(module, Fp8Linear):
+            if isinstance(module, Fp8GemmModule):
                 module.force_high_precision = recipe is None
                 if recipe is not None:
                     module.set_recipe(recipe)

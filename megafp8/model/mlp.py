@@ -4,23 +4,21 @@
 ``partition_stride=2``: rank r holds ``[gate_r; up_r]`` (``[2 * ffn/TP, hidden]``), so the local
 output splits into gate and up halves with no communication.
 
-Smooth-SwiGLU (``--activation smooth_swiglu``) rescales the FP8 input of ``linear_fc2`` per channel
-and folds the inverse scale into the GEMM output; in high precision it equals SwiGLU exactly, so here
-both compute ``silu(gate) * up`` and ``self.activation`` tells the FP8 path which one to run.
+Smooth-SwiGLU (``--activation smooth_swiglu``, megafp8.fp8.smooth_swiglu) scales each channel of
+``linear_fc2``'s input by a power of two before its FP8 quantization and folds the inverse into fc2's
+weight columns: the same function (bit-identical in high precision), without one outlier channel
+setting the FP8 scale of all the others. The channels are local to a TP rank: no communication.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from megafp8.fp8 import smooth_swiglu_channel_scales, swiglu
 
 from megafp8.model.config import ModelConfig
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -38,8 +36,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(self._activation(gate, up))
-
-    def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU; the hook the FP8 Smooth-SwiGLU path overrides (together with fc2's input quantization)."""
-        return swiglu(gate, up)
+        h = swiglu(gate, up)
+        channel_scale = smooth_swiglu_channel_scales(h) if self.activation == "smooth_swiglu" else None
+        return self.linear_fc2(h, input_channel_scale=channel_scale)

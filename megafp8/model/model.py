@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from megafp8.fp8 import Fp8Recipe, apply_precision_map, layer_recipes
 from megafp8.model.attention import SelfAttention
 from megafp8.model.config import ModelConfig
 from megafp8.model.mlp import MLP
@@ -54,10 +55,16 @@ class GPTModel(nn.Module):
     output head and loss; ``layer_numbers`` are the global indices of the layers this stage holds
     (default: all), kept as the parameter-name index so checkpoints are layout-independent.
     The layout is validated against the config before any parameter is allocated.
+
+    ``fp8_recipe`` runs every transformer block's linears in FP8 except the first and last
+    ``first_last_layers_bf16`` blocks (--first-last-layers-bf16); embedding, norms, attention
+    softmax, output head and loss always stay in high precision. Without a recipe the blocks follow
+    megafp8.fp8.fp8_autocast (high precision outside it).
     """
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, pre_process: bool = True,
-                 post_process: bool = True, layer_numbers: Sequence[int] | None = None) -> None:
+                 post_process: bool = True, layer_numbers: Sequence[int] | None = None,
+                 fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0) -> None:
         super().__init__()
         parallel_state.validate_model(config)
         self.config = config
@@ -87,6 +94,10 @@ class GPTModel(nn.Module):
                 params_dtype=config.params_dtype)
             if config.tie_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+            self.output_layer.force_high_precision = True  # the logits GEMM stays high precision
+        if fp8_recipe is not None:
+            recipes = layer_recipes(config.num_layers, fp8_recipe, first_last_layers_bf16)
+            apply_precision_map(list(self.layers.values()), [recipes[int(i)] for i in self.layers])
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:

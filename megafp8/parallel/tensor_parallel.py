@@ -4,15 +4,16 @@ Activations are ``[seq, batch, hidden]``. With sequence parallelism (SP) the ten
 regions (norm inputs, residuals) are ``[seq/TP, batch, hidden]``: a column-parallel layer gathers the
 sequence before its GEMM and a row-parallel layer reduce-scatters after it.
 
-FP8 plugs in at one method per layer, ``_forward_impl``. It receives exactly what the local GEMM
-needs and returns the local GEMM output; everything around it (entering/leaving the TP region, bias,
-gather_output) stays here:
+Both linears are megafp8.fp8.Fp8GemmModule: their local GEMM (``_forward_impl``) runs in FP8 when a
+recipe is active (the model's precision map, or fp8_autocast) and in high precision otherwise;
+everything around it (entering/leaving the TP region, bias, gather_output) stays here:
 
 - ``ColumnParallelLinear._forward_impl(input_, weight)``: input ``[s/TP, b, in]`` under SP (it owns
-  the sequence all-gather, so an FP8 version quantizes once and all-gathers uint8 bytes + scales) or
-  ``[s, b, in]`` without SP; returns ``[s, b, out/TP]``.
-- ``RowParallelLinear._forward_impl(input_parallel)``: ``[s, b, in/TP]`` to the partial sums
-  ``[s, b, out]``; the reduce(-scatter) that follows stays in high precision.
+  the sequence all-gather: in FP8 the shard is quantized once and its uint8 bytes + scales are
+  all-gathered, half the bytes of BF16) or ``[s, b, in]`` without SP; returns ``[s, b, out/TP]``.
+- ``RowParallelLinear._forward_impl(input_parallel)``: ``[s, b, in/TP]`` to the reduced output:
+  ``[s/TP, b, out]`` under SP (reduce-scatter in high precision; in FP8 the backward all-gather of the
+  output gradient moves FP8 bytes) or ``[s, b, out]`` (all-reduce, high precision).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8.fp8 import Fp8GemmModule, Fp8Recipe
 from megafp8.parallel import collectives as C
+from megafp8.parallel.fp8_sequence_parallel import TensorParallelSequenceComm
 from megafp8.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -51,7 +54,7 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Fp8GemmModule):
     """``Y = X Aᵀ (+ b)`` with A split along its output features: rank r holds ``A_r`` ``[out/TP, in]``.
 
     ============  =====================================  ============================================
@@ -72,7 +75,8 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, sequence_parallel: bool | None = None,
                  init_method: InitMethod | None = None, partition_stride: int = 1,
                  skip_weight_param_allocation: bool = False, padded_vocab: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 fp8_recipe: Fp8Recipe | None = None) -> None:
         super().__init__()
         self.tp = parallel_state.tp_group
         self.input_size = input_size
@@ -96,6 +100,8 @@ class ColumnParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.bias, 0, partition_stride, padded_vocab)
         else:
             self.register_parameter("bias", None)
+        self.set_recipe(fp8_recipe)
+        self._sp_comm = TensorParallelSequenceComm(self.tp) if self.sequence_parallel else None
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if weight is None:
@@ -112,17 +118,20 @@ class ColumnParallelLinear(nn.Module):
         return output
 
     def _forward_impl(self, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Sequence all-gather (under SP) + local GEMM: the step the FP8 path replaces as a whole."""
+        """Sequence all-gather (under SP) + local GEMM; in FP8 the gather moves FP8 bytes."""
+        return self.linear(input_, weight, sp_input=self._sp_comm, high_precision=self._high_precision_impl)
+
+    def _high_precision_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, self.tp)
-        return F.linear(input_, weight)
+        return F.linear(input_, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition}), "
                 f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Fp8GemmModule):
     """``Y = X Aᵀ (+ b)`` with A split along its input features: rank r holds ``A_r`` ``[out, in/TP]``.
 
     ===============  ======================  =============================================================
@@ -143,7 +152,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState, *, bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool | None = None,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, fp8_recipe: Fp8Recipe | None = None) -> None:
         super().__init__()
         self.tp = parallel_state.tp_group
         self.input_size = input_size
@@ -164,22 +173,28 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.set_recipe(fp8_recipe)
+        self._sp_comm = TensorParallelSequenceComm(self.tp) if self.sequence_parallel else None
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_: torch.Tensor, input_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_channel_scale`: Smooth-SwiGLU's per-channel scales of this rank's input columns."""
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp)
-        output_parallel = self._forward_impl(input_)
-        if self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp)
-        else:
-            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp)
+        output = self._forward_impl(input_, input_channel_scale)
         if self.bias is not None:
             output = output + self.bias
         return output
 
-    def _forward_impl(self, input_parallel: torch.Tensor) -> torch.Tensor:
-        """Local GEMM producing this rank's partial sum: the step the FP8 path replaces."""
-        return F.linear(input_parallel, self.weight)
+    def _forward_impl(self, input_parallel: torch.Tensor, input_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Local GEMM (FP8 when a recipe is active) and the reduction of the partial sums over TP."""
+        if self.sequence_parallel:
+            return self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale,
+                               sp_output=self._sp_comm, high_precision=self._high_precision_sp_impl)
+        partial = self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp)
+
+    def _high_precision_sp_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return reduce_scatter_to_sequence_parallel_region(F.linear(input_, weight, bias), self.tp)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (local {self.input_size_per_partition}), out={self.output_size}, "

@@ -1,0 +1,45 @@
+"""FP8 glue for tensor/sequence parallelism: sequence all-gathers of FP8 operands (uint8 bytes + scales
+over the TP group) and the once-per-step amax reduction over the TP x DP group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafp8.fp8 import Float8Tensor, Fp8ScalingManager
+from megafp8.parallel import collectives as C
+from megafp8.parallel.collectives import GroupHandle
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8_kernels import Granularity
+
+
+class TensorParallelSequenceComm:
+    """megafp8.fp8.SequenceParallelComm over a TP group. Rows are [s, b]-flattened tokens, so dim 0
+    is the sequence and a row all-gather is the sequence all-gather."""
+
+    def __init__(self, tp: GroupHandle):
+        self.tp = tp
+
+    def sync_amax(self, amax: torch.Tensor) -> None:
+        C.all_reduce(amax, self.tp, "amax_reduce", op=dist.ReduceOp.MAX)
+
+    def gather_rows(self, x: Float8Tensor) -> Float8Tensor:
+        data, scales = C.all_gather_quantized(x.data, x.scale_inv, self.tp, "tp_sp_allgather")
+        if x.granularity is Granularity.TENSORWISE:
+            # Every rank quantized with the same scale (delayed: synchronized; current: sync_amax).
+            scales = x.scale_inv
+        rows, cols = x.shape
+        return Float8Tensor((rows * self.tp.size, cols), x.fp8_dtype, x.granularity, data, scales)
+
+    def reduce_scatter_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return C.reduce_scatter(t, self.tp, "tp_reduce_scatter", dim=0)
+
+
+def fp8_scaling_manager(model: nn.Module, parallel_state: ParallelState) -> Fp8ScalingManager:
+    """The delayed-scaling manager of `model`, reducing amaxes over the TP x DP group in one counted collective."""
+    amax_group = parallel_state.amax_group
+
+    def all_reduce_max(tensor: torch.Tensor, _group) -> None:
+        C.all_reduce(tensor, amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
+
+    return Fp8ScalingManager(model, reduce_group=amax_group, all_reduce_max=all_reduce_max)
