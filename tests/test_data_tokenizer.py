@@ -138,3 +138,16 @@ def test_huggingface_directory_without_tokenizer_json_goes_through_transformers(
     tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
     assert (tok.eod, tok.pad, tok.bos) == (0, 1, None)
     assert tok.tokenize("def f(x): return x") == trained.encode("def f(x): return x").ids
+
+
+def test_tokenizer_training_is_reproducible_with_a_line_sample(tmp_path, small_corpus):
+    import sentencepiece as spm
+
+    from megafp8.data.tokenizer_training import train_sentencepiece
+
+    vocabularies = []
+    for name in ("a", "b"):
+        model = train_sentencepiece([small_corpus], str(tmp_path / name), 500, max_sentences=3000, progress=False)
+        sp = spm.SentencePieceProcessor(model_file=model)
+        vocabularies.append([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    assert vocabularies[0] == vocabularies[1]

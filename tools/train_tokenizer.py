@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-key", default="text", help="key holding the text in jsonl input")
     parser.add_argument("--max-sentences", type=int, default=None,
                         help="train on a random sample of this many lines (bounds memory on big corpora)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the --max-sentences sample")
     parser.add_argument("--num-threads", type=int, default=None, help="trainer threads (default: all cores)")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's own training log")
     args = parser.parse_args(argv)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             json_key=args.json_key,
             max_sentences=args.max_sentences,
             num_threads=args.num_threads,
+            seed=args.seed,
             verbose=args.verbose,
         )
     except ValueError as exc:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -56,6 +57,20 @@ def iter_sentences(
                             yield sentence
 
 
+def reservoir_sample(items: Iterable[str], k: int, seed: int) -> list[str]:
+    """A uniform sample of ``k`` items from a stream of unknown length, in O(k) memory (Algorithm R)."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for i, item in enumerate(items):
+        if i < k:
+            sample.append(item)
+        else:
+            j = rng.randrange(i + 1)
+            if j < k:
+                sample[j] = item
+    return sample
+
+
 def _json_text(raw: bytes, key: str) -> str | None:
     try:
         value = json.loads(raw.decode("utf-8")).get(key)
@@ -75,6 +90,7 @@ def train_sentencepiece(
     max_sentences: int | None = None,
     num_threads: int | None = None,
     seed_sentencepiece_size: int = 1_000_000,
+    seed: int = 1234,
     progress: bool = True,
     verbose: bool = False,
 ) -> str:
@@ -107,12 +123,14 @@ def train_sentencepiece(
         seed_sentencepiece_size=seed_sentencepiece_size,
         minloglevel=0 if verbose else 2,
     )
-    if max_sentences is not None:
-        # SentencePiece reservoir-samples this many sentences from the stream, bounding its memory.
-        options.update(input_sentence_size=max_sentences, shuffle_input_sentence=True)
     stats = TextStats()
     # The iterator is consumed by the trainer, so the input is streamed (with its progress bar) once.
     sentences = iter_sentences(inputs, json_key, stats, progress)
+    if max_sentences is not None:
+        # Our own seeded reservoir sample: SentencePiece's (input_sentence_size) differs run to run when
+        # it trains with several threads, and a tokenizer should be reproducible from its command.
+        sentences = iter(reservoir_sample(sentences, max_sentences, seed))
+    spm.set_random_generator_seed(seed)
     start = time.perf_counter()
     try:
         spm.SentencePieceTrainer.Train(sentence_iterator=sentences, **options)
