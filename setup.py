@@ -16,7 +16,8 @@ setup(
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers"],
+        # megatron-core: the peer for the .bin/.idx byte-compatibility tests (needs only torch, numpy, packaging)
+        "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core"],
         "data": ["sentencepiece", "tokenizers"],
         "report": ["matplotlib", "tensorboard"],
     },

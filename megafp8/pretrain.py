@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     print("  scale mode        SQNR vs fp64 (E4M3 x E4M3, 256x512x1024, outlier channels)")
     for mode, db in fp8_gemm_self_check().items():
         print(f"  {mode:<17} {db:6.1f} dB")
-    print("megafp8: the training loop is not yet available (FP8 layers, TP/SP/PP model and optimizer are open issues).")
+    print("megafp8: the training loop is not yet available (pipeline schedules, the ZeRO FP8 optimizer, the "
+          "train loop and checkpoints are open issues); the FP8 TP/SP model is in megafp8.model.")
     if argv:
         print(f"megafp8: ignoring training flags until then: {' '.join(argv)}")
     return 0
