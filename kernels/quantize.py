@@ -90,14 +90,17 @@ def _round_to_fp8_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
 @triton.jit
 def _to_fp8_bits(y, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                  SOFTWARE_ROUNDING: tl.constexpr):
-    """Saturating fp32 -> FP8 cast, returned as uint8 bits (the kernels store through uint8 views)."""
+    """Saturating fp32 -> FP8 cast, returned as uint8 bits (the kernels store through uint8 views).
+    Finite values past the range saturate; inf becomes NaN (an overflow already happened upstream)."""
     is_nan = y != y
+    is_inf = tl.abs(y) == float("inf")
     sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     if SOFTWARE_ROUNDING:
         y = _round_to_fp8_grid(y, MBITS, EMIN)
     bits = y.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
-    return tl.where(is_nan, sign | 0x7F, bits)  # 0x7F/0xFF is NaN in both E4M3FN and E5M2
+    # 0x7F/0xFF is NaN in both E4M3FN and E5M2; a NaN keeps its sign, an inf becomes +NaN (as torch's).
+    return tl.where(is_nan, sign | 0x7F, tl.where(is_inf, 0x7F, bits))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,8 +111,8 @@ def _tile_amax_kernel(x_ptr, tile_amax_ptr, row_amax_ptr, col_amax_ptr, M, K,
                       ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Partial amaxes of one tile: of the tile, of each row, and (for rowwise transpose) of each column."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)  # int64: M * K may exceed 2**31
+    offs_k = pid_k * BK + tl.arange(0, BK).to(tl.int64)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     a = tl.abs(tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32))
     if ROWS:
@@ -132,8 +135,8 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
     """
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     n_k_tiles = tl.num_programs(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)  # int64: M * K may exceed 2**31
+    offs_k = pid_k * BK + tl.arange(0, BK).to(tl.int64)
     row_ok, col_ok = offs_m < M, offs_k < K
     mask = row_ok[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -5,7 +5,9 @@ The rules every backend follows bit for bit:
               optionally rounded down to a power of two, and NaN when amax is not finite (a NaN or
               inf in a scaling group makes that whole group dequantize to NaN: loud, never hidden);
   scale_inv = 1 / scale;
-  fp8       = round-to-nearest-even(clamp(x * scale, -FP8_MAX, FP8_MAX)), NaN stays NaN.
+  fp8       = round-to-nearest-even(clamp(x * scale, -FP8_MAX, FP8_MAX)), NaN stays NaN and an inf
+              becomes NaN: finite values past the range saturate, but an inf is an overflow that already
+              happened, and clamping it to FP8_MAX (as a given, delayed scale would) would hide it.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 
 def saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """fp32 -> FP8 with round-to-nearest-even; out-of-range values (inf too) saturate, NaN stays NaN."""
+    """fp32 -> FP8 with round-to-nearest-even; finite values past the range saturate, NaN stays NaN, inf -> NaN."""
+    y = torch.where(torch.isinf(y), torch.full_like(y, float("nan")), y)
     return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)  # clamp propagates NaN
 
 

@@ -190,3 +190,18 @@ def test_linear_through_triton_kernels_matches_reference(monkeypatch, name):
         results[backend] = (layer(x_in.detach()).detach().cpu(), x_in.grad.cpu(), layer.weight.grad.cpu())
     for got, want in zip(results["triton"], results["reference"]):
         assert sqnr_db(got, want) >= 50.0
+
+
+def test_inference_builds_no_transposed_copies(monkeypatch):
+    layer = Fp8Linear(64, 32, recipe=RECIPES["rowwise"])
+    transposes = []
+    real_quantize = fp8_linear_function.quantize
+
+    def recording_quantize(x, *args, **kwargs):
+        transposes.append(kwargs.get("transpose"))
+        return real_quantize(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear_function, "quantize", recording_quantize)
+    with torch.no_grad():
+        layer(torch.randn(16, 64, requires_grad=True))
+    assert transposes == [False, False], "weight and input quantized without the backward copies"

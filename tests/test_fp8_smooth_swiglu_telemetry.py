@@ -106,7 +106,7 @@ def test_telemetry_reports_saturation_and_flush_and_guard_switches_layer():
     assert guard.check(layer, iteration=1) == []
     messages = guard.check(layer, iteration=2)
     assert len(messages) == 1 and "switched to BF16" in messages[0] and "iteration 2" in messages[0]
-    assert layer.force_high_precision
+    assert layer.guard_high_precision and layer.runs_high_precision
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), "a switched layer runs in high precision"
 
 
@@ -127,3 +127,65 @@ def test_float8_tensor_wire_round_trip(gran):
     assert torch.equal(back.dequantize(), t.dequantize())
     with pytest.raises(ValueError, match="wire buffer"):
         Float8Tensor.from_wire(wire[:-1], (130, 260), torch.float8_e4m3fn, gran)
+
+
+def test_telemetry_does_not_count_rounding_as_saturation():
+    """A group's own amax maps onto FP8_MAX: rounded, not clipped. Gaussian data must report 0 saturated,
+    and the guard (default threshold) must leave a blockwise layer in FP8."""
+    torch.manual_seed(0)
+    for recipe in (Fp8Recipe.blockwise(), Fp8Recipe.rowwise(), Fp8Recipe.tensorwise()):
+        layer = Fp8Linear(256, 256, recipe=recipe)
+        enable_fp8_telemetry(layer)
+        guard = SaturationGuard()
+        for _ in range(4):
+            layer(torch.randn(128, 256)).sum().backward()
+            assert guard.check(layer) == []
+        stats = collect_fp8_telemetry(layer)
+        assert all(v == 0.0 for k, v in stats.items() if k.endswith("saturated")), (recipe.scaling, stats)
+        assert not layer.runs_high_precision
+
+
+def test_guard_decides_on_the_reduced_saturation_and_the_switch_survives_a_reload():
+    """With all_reduce_max, a rank that saw no saturation still switches when a peer did (all ranks agree);
+    the guard's state dict restores the switch in a resumed model."""
+    model = torch.nn.Sequential(Fp8Linear(64, 32, recipe=Fp8Recipe.tensorwise()))
+    enable_fp8_telemetry(model)
+    model(torch.randn(16, 64)).sum().backward()
+
+    def peer_saw_saturation(fractions):  # stands in for a MAX all-reduce where another rank saturated
+        fractions.clamp_(min=0.5)
+
+    guard = SaturationGuard(threshold=0.01, patience=1, all_reduce_max=peer_saw_saturation)
+    assert len(guard.check(model)) == 1 and model[0].guard_high_precision
+    assert guard.state_dict()["switched"] == ["0"]
+    resumed = torch.nn.Sequential(Fp8Linear(64, 32, recipe=Fp8Recipe.tensorwise()))
+    SaturationGuard().load_state_dict(guard.state_dict(), resumed)
+    assert resumed[0].runs_high_precision
+    with pytest.raises(KeyError, match="does not have"):
+        SaturationGuard().load_state_dict({"switched": ["7"]}, resumed)
+
+
+def test_smooth_swiglu_scales_stay_finite_for_near_zero_channels():
+    h = torch.randn(8, 4)
+    h[:, 1] = 2.0 ** -130  # silu far into its negative side: fp32 subnormals
+    h[:, 2] = 0.0
+    s = smooth_swiglu_channel_scales(h)
+    assert torch.isfinite(s).all() and s[2] == 1.0 and s[1] == 2.0 ** 64
+    fc2 = Fp8Linear(4, 3, recipe=Fp8Recipe.tensorwise())
+    assert torch.isfinite(fc2(h, input_channel_scale=s)).all()
+
+
+def test_delayed_scaling_does_not_hide_an_inf():
+    """An inf in the input of a delayed-scaling layer must reach the output as NaN, not as FP8_MAX."""
+    layer = Fp8Linear(8, 4, recipe=Fp8Recipe.delayed(amax_history_len=2))
+    x = torch.ones(2, 8)
+    x[0, 3] = float("inf")
+    y = layer(x)
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
+
+
+def test_scaling_state_stays_fp32_under_model_casts():
+    layer = Fp8Linear(8, 8, recipe=Fp8Recipe.delayed(amax_history_len=3)).bfloat16()
+    assert layer.weight.dtype == torch.bfloat16
+    assert all(b.dtype == torch.float32 for n, b in layer.named_buffers() if "fp8_scaling" in n)
+    layer(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()  # runs, scales usable

@@ -120,14 +120,17 @@ def test_non_finite_input_poisons_its_group_never_hidden(bad, gran):
         assert torch.isnan(quantize_reference(x, E4M3.dtype, gran).data.float()[200, 200])
 
 
-def test_nan_with_given_scale_stays_nan_and_inf_saturates():
-    x = torch.tensor([[1.0, float("nan"), float("inf"), -float("inf"), 1e9, -0.0]])
+def test_given_scale_nan_and_inf_become_nan_finite_overflow_saturates():
+    """Delayed scaling: a finite value past the range saturates, but NaN and inf come out NaN. (Clamping
+    an inf to FP8_MAX, as TE's satfinite cast does, would let an overflow pass unseen.)"""
+    x = torch.tensor([[1.0, float("nan"), float("inf"), -float("inf"), 1e9, -1e9, -0.0]])
     for fmt in FORMATS:
         q = _triton(x, fmt, "tensorwise", scale=torch.tensor(1.0, device=DEVICE))
+        _assert_same(q, quantize_reference(x, fmt.dtype, scale=torch.tensor(1.0)))
         got = q.data.cpu().float()
-        assert torch.isnan(got[0, 1])
-        assert got[0, 2] == fmt.max and got[0, 3] == -fmt.max and got[0, 4] == fmt.max
-        assert fp8_bits(q.data.cpu())[0, 5] == 0x80, "negative zero keeps its sign"
+        assert torch.isnan(got[0, 1]) and torch.isnan(got[0, 2]) and torch.isnan(got[0, 3])
+        assert got[0, 4] == fmt.max and got[0, 5] == -fmt.max
+        assert fp8_bits(q.data.cpu())[0, 6] == 0x80, "negative zero keeps its sign"
         assert torch.isnan(q.amax.cpu()), "the amax fed to the scale history must show the NaN"
 
 

@@ -25,7 +25,8 @@ class Fp8GemmModule(nn.Module):
     """Base of every layer whose GEMM may run in FP8.
 
     recipe:               this layer's own recipe (per-layer override); None = follow fp8_autocast
-    force_high_precision: run in high precision whatever the recipe (precision map, head, saturation guard)
+    force_high_precision: run in high precision whatever the recipe (precision map, output head: config)
+    guard_high_precision: switched to high precision by the SaturationGuard (checkpointed by the guard)
     telemetry_enabled:    record FP8 statistics of each quantization (see telemetry.py)
     """
 
@@ -33,11 +34,16 @@ class Fp8GemmModule(nn.Module):
         super().__init__()
         self.recipe = recipe
         self.force_high_precision = False
+        self.guard_high_precision = False
         self.telemetry_enabled = False
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor] | None = None
         self.weight_quantizations = 0  # how often the FP8 weight was (re)built: once per step expected
+
+    @property
+    def runs_high_precision(self) -> bool:
+        return self.force_high_precision or self.guard_high_precision
 
     # ---- recipe and delayed-scaling state ----
     def set_recipe(self, recipe: Fp8Recipe | None) -> None:
@@ -65,8 +71,12 @@ class Fp8GemmModule(nn.Module):
         """The weight in FP8, quantized once per optimizer step and reused by every micro-batch.
 
         The cache is keyed on the tensor's version counter (bumped by in-place optimizer updates) and is
-        dropped by invalidate_fp8_weight_caches (Fp8ScalingManager.update calls it every step). A derived
-        weight (Smooth-SwiGLU's rescaled one) is not cacheable: it changes every micro-batch."""
+        dropped by invalidate_fp8_weight_caches (Fp8ScalingManager.update calls it every step; a loop that
+        writes weights through `.data`, which bumps no version, must call it after each step).
+        A derived weight (Smooth-SwiGLU's rescaled one) is not cacheable: it changes every micro-batch.
+        Under a delayed recipe it still uses the weight role's delayed scale, synchronized over TP x DP
+        like every delayed scale (so sharded runs quantize exactly as TP=1); a new outlier channel can
+        then clip weight columns until the amax history catches up, which telemetry reports."""
         transpose = torch.is_grad_enabled()  # dgrad needs W^T; inference does not
         if not cacheable:
             return self._quantize_weight(weight, recipe, transpose)
@@ -98,9 +108,12 @@ class Fp8GemmModule(nn.Module):
         if input_channel_scale is not None:
             s = input_channel_scale.to(x.dtype)
             x, weight = x * s, weight / s  # exact when s is a power of two (smooth_swiglu_channel_scales)
-        recipe = resolve_recipe(self.recipe, self.force_high_precision)
+        recipe = resolve_recipe(self.recipe, self.runs_high_precision)
         if recipe is None:
             return high_precision(x, weight, bias)
+        if not torch.is_grad_enabled():  # inference: nothing to save for backward, no transposed copies
+            x, weight = x.detach(), weight.detach()
+            bias = bias.detach() if bias is not None else None
         weight_fp8 = self.fp8_weight(recipe, weight, cacheable=input_channel_scale is None)
         return fp8_linear(x, weight, bias, weight_fp8, recipe, self, sp_input, sp_output)
 
@@ -125,7 +138,7 @@ class Fp8Linear(Fp8GemmModule):
 
     def extra_repr(self) -> str:
         recipe = "autocast" if self.recipe is None else self.recipe.scaling
-        hp = ", high precision" if self.force_high_precision else ""
+        hp = ", high precision" if self.runs_high_precision else ""
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, recipe={recipe}{hp}"
 
 

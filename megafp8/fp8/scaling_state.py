@@ -35,6 +35,14 @@ class ScalingState(nn.Module):
         self.register_buffer("scale", torch.ones(()))  # TransformerEngine starts from 1 too
         self.register_buffer("pending_amax", torch.zeros(()), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # model.bfloat16() / .half() must not round histories and scales: keep them fp32 on any device.
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.dtype != torch.float32:
+                self._buffers[name] = buf.float()
+        return self
+
     @torch.no_grad()
     def observe(self, amax: torch.Tensor) -> None:
         """Fold one micro-batch's amax into this step's (no host sync: stays a device tensor)."""

@@ -18,12 +18,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def smooth_swiglu_channel_scales(h: torch.Tensor) -> torch.Tensor:
-    """Per-channel (last dim) power-of-two scales s_c with max|h_c * s_c| in (0.5, 1]; all-zero channels get 1.
+    """Per-channel (last dim) power-of-two scales s_c with max|h_c * s_c| in [0.5, 1); all-zero channels get 1.
+    Exponents are clamped to [-64, 64], so a channel of near-zero values (silu far into its negative
+    side) gets a finite scale instead of an overflowing one.
 
     Computed from this micro-batch and not differentiated (a scale choice, not part of the function).
     Channels are local to a tensor-parallel rank (FC1 is column-parallel), so no communication is needed.
     """
     amax = h.detach().reshape(-1, h.shape[-1]).abs().amax(dim=0).float()
     _, exponent = torch.frexp(amax)  # amax = m * 2**e with m in [0.5, 1)
-    scale = torch.ldexp(torch.ones_like(amax), -exponent)
+    scale = torch.ldexp(torch.ones_like(amax), (-exponent).clamp(-64, 64))
     return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(amax))

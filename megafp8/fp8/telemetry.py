@@ -7,23 +7,33 @@ collect_fp8_telemetry() reads them, once per logged iteration.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from megafp8_kernels import fp8_format
+from megafp8_kernels import expand_scale, fp8_format
+
+
+def saturation_threshold(fp8_dtype: torch.dtype) -> float:
+    """The scaled magnitude above which a value is clipped rather than rounded: FP8_MAX plus half an ulp
+    at FP8_MAX (E4M3: 464, E5M2: 61440). Anything below rounds to a representable value honestly."""
+    fmt = fp8_format(fp8_dtype)
+    top_exponent = math.frexp(fmt.max)[1] - 1
+    return fmt.max + 0.5 * 2.0 ** (top_exponent - fmt.mantissa_bits)
 
 
 @torch.no_grad()
 def record_fp8_stats(layer: nn.Module, role: str, x_hp: torch.Tensor, fp8, amax: torch.Tensor) -> None:
     """Store this quantization's statistics on `layer` under `role` (input, weight, grad_output)."""
-    data, _ = fp8.row_major()
-    restored = fp8.dequantize()
+    data, scale_inv = fp8.row_major()
     x = x_hp.float()
-    q = data.float().abs()
-    fmt_max = fp8_format(fp8.fp8_dtype).max
-    # Saturated: clipped to +-FP8_MAX although the value was larger. Flushed: nonzero but quantized to 0.
-    saturated = ((q == fmt_max) & (x.abs() > restored.abs())).float().mean()
-    flushed = ((x != 0) & (q == 0)).float().mean()
+    # Saturated: |x| * scale past FP8_MAX by more than rounding (a group's own amax maps to FP8_MAX and
+    # is not clipped). Flushed: nonzero but quantized to 0.
+    clip_level = saturation_threshold(fp8.fp8_dtype) * expand_scale(scale_inv.float(), *data.shape, fp8.granularity)
+    saturated = (x.abs() > clip_level).float().mean()
+    flushed = ((x != 0) & (data.float() == 0)).float().mean()
     layer.fp8_telemetry[role] = {
         "amax": amax.float().max(),
         "scale": 1.0 / fp8.scale_inv.float().min(),  # the largest scale of any group: tensorwise = the scale
@@ -53,25 +63,49 @@ def collect_fp8_telemetry(model: nn.Module) -> dict[str, float]:
 
 class SaturationGuard:
     """Switch a layer to high precision when its saturated fraction stays above `threshold` for `patience`
-    consecutive checks. check() returns one message per switch, for the log."""
+    consecutive checks. check() returns one message per switch, for the log.
 
-    def __init__(self, threshold: float = 1e-3, patience: int = 3):
+    all_reduce_max: in-place MAX over the ranks that share the layers (the TP x DP group). Every rank must
+    take the same decision, or ranks would disagree on the precision (and the collectives) of a layer.
+    state_dict() / load_state_dict(state, model) carry the strikes and the switched layers, so a resumed
+    run keeps its switches (the model's own state dict stays free of it, and so HF-convertible).
+    """
+
+    def __init__(self, threshold: float = 1e-3, patience: int = 3,
+                 all_reduce_max: Callable[[torch.Tensor], None] | None = None):
         if not 0 <= threshold < 1 or patience < 1:
             raise ValueError(f"saturation guard needs 0 <= threshold < 1 and patience >= 1, got {threshold}, {patience}")
         self.threshold, self.patience = threshold, patience
+        self.all_reduce_max = all_reduce_max
         self.strikes: dict[str, int] = {}
+        self.switched: set[str] = set()
 
     def check(self, model: nn.Module, iteration: int | None = None) -> list[str]:
+        layers = [(name, module) for name, module in model.named_modules()
+                  if getattr(module, "fp8_telemetry", None) and not module.runs_high_precision]
+        if not layers:
+            return []
+        worst = torch.stack([torch.stack([s["saturated"] for s in m.fp8_telemetry.values()]).max() for _, m in layers])
+        if self.all_reduce_max is not None:
+            self.all_reduce_max(worst)
         messages = []
-        for name, module in model.named_modules():
-            stats = getattr(module, "fp8_telemetry", None)
-            if not stats or getattr(module, "force_high_precision", True):
-                continue
-            worst = max(s["saturated"].item() for s in stats.values())
-            self.strikes[name] = self.strikes.get(name, 0) + 1 if worst > self.threshold else 0
+        for (name, module), fraction in zip(layers, worst.tolist()):
+            self.strikes[name] = self.strikes.get(name, 0) + 1 if fraction > self.threshold else 0
             if self.strikes[name] >= self.patience:
-                module.force_high_precision = True
+                module.guard_high_precision = True
+                self.switched.add(name)
                 at = f" at iteration {iteration}" if iteration is not None else ""
-                messages.append(f"fp8 guard: {name or 'model'} saturated {worst:.2%} > {self.threshold:.2%} for "
+                messages.append(f"fp8 guard: {name or 'model'} saturated {fraction:.2%} > {self.threshold:.2%} for "
                                 f"{self.patience} checks{at}: switched to BF16")
         return messages
+
+    def state_dict(self) -> dict:
+        return {"strikes": dict(self.strikes), "switched": sorted(self.switched)}
+
+    def load_state_dict(self, state: dict, model: nn.Module) -> None:
+        self.strikes = dict(state.get("strikes", {}))
+        modules = dict(model.named_modules())
+        for name in state.get("switched", []):
+            if name not in modules:
+                raise KeyError(f"saturation guard state names layer {name!r}, which this model does not have")
+            modules[name].guard_high_precision = True

@@ -24,10 +24,12 @@ class TensorParallelSequenceComm:
         C.all_reduce(amax, self.tp, "amax_reduce", op=dist.ReduceOp.MAX)
 
     def gather_rows(self, x: Float8Tensor) -> Float8Tensor:
-        data, scales = C.all_gather_quantized(x.data, x.scale_inv, self.tp, "tp_sp_allgather")
         if x.granularity is Granularity.TENSORWISE:
-            # Every rank quantized with the same scale (delayed: synchronized; current: sync_amax).
-            scales = x.scale_inv
+            # Every rank quantized with the same scale (delayed: synchronized; current: sync_amax),
+            # so only the bytes travel.
+            data, scales = C.all_gather(x.data, self.tp, "tp_sp_allgather", dim=0), x.scale_inv
+        else:
+            data, scales = C.all_gather_quantized(x.data, x.scale_inv, self.tp, "tp_sp_allgather")
         rows, cols = x.shape
         return Float8Tensor((rows * self.tp.size, cols), x.fp8_dtype, x.granularity, data, scales)
 
