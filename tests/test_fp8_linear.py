@@ -93,19 +93,24 @@ def test_activation_bytes_saved_are_at_most_055x_bf16(name):
     assert fp8_saved.nbytes <= 0.55 * bf16_saved.nbytes, (fp8_saved.nbytes, bf16_saved.nbytes)
 
 
-@pytest.mark.parametrize("name", ["delayed", "blockwise"])
-def test_weight_quantized_once_per_step_across_micro_batches(monkeypatch, name):
-    """4 micro-batches per step, 2 steps: the quantize kernel sees the weight exactly twice."""
-    layer = Fp8Linear(64, 32, recipe=RECIPES[name])
-    weight_calls = []
+@pytest.fixture
+def quantize_calls(monkeypatch):
+    """Records (data_ptr of the quantized tensor, transpose flag) for every quantize kernel call."""
+    calls = []
     real_quantize = fp8_linear_function.quantize
 
-    def counting_quantize(x, *args, **kwargs):
-        if x.data_ptr() == layer.weight.data_ptr():
-            weight_calls.append(kwargs.get("transpose"))
+    def recording_quantize(x, *args, **kwargs):
+        calls.append((x.data_ptr(), kwargs.get("transpose")))
         return real_quantize(x, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_function, "quantize", counting_quantize)
+    monkeypatch.setattr(fp8_linear_function, "quantize", recording_quantize)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["delayed", "blockwise"])
+def test_weight_quantized_once_per_step_across_micro_batches(quantize_calls, name):
+    """4 micro-batches per step, 2 steps: the quantize kernel sees the weight exactly twice."""
+    layer = Fp8Linear(64, 32, recipe=RECIPES[name])
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     manager = Fp8ScalingManager(layer)
     for step in range(2):
@@ -114,6 +119,7 @@ def test_weight_quantized_once_per_step_across_micro_batches(monkeypatch, name):
         optimizer.step()
         optimizer.zero_grad()
         manager.update()
+    weight_calls = [transpose for ptr, transpose in quantize_calls if ptr == layer.weight.data_ptr()]
     assert weight_calls == [True, True], "once per step, with the transposed copy for dgrad"
 
 
@@ -192,16 +198,9 @@ def test_linear_through_triton_kernels_matches_reference(monkeypatch, name):
         assert sqnr_db(got, want) >= 50.0
 
 
-def test_inference_builds_no_transposed_copies(monkeypatch):
+def test_inference_builds_no_transposed_copies(quantize_calls):
     layer = Fp8Linear(64, 32, recipe=RECIPES["rowwise"])
-    transposes = []
-    real_quantize = fp8_linear_function.quantize
-
-    def recording_quantize(x, *args, **kwargs):
-        transposes.append(kwargs.get("transpose"))
-        return real_quantize(x, *args, **kwargs)
-
-    monkeypatch.setattr(fp8_linear_function, "quantize", recording_quantize)
     with torch.no_grad():
         layer(torch.randn(16, 64, requires_grad=True))
-    assert transposes == [False, False], "weight and input quantized without the backward copies"
+    assert [transpose for _, transpose in quantize_calls] == [False, False], \
+        "weight and input quantized without the backward copies"

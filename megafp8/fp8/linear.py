@@ -39,7 +39,6 @@ class Fp8GemmModule(nn.Module):
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor] | None = None
-        self.weight_quantizations = 0  # how often the FP8 weight was (re)built: once per step expected
 
     @property
     def runs_high_precision(self) -> bool:
@@ -86,7 +85,6 @@ class Fp8GemmModule(nn.Module):
         return self._weight_cache[1]
 
     def _quantize_weight(self, weight: torch.Tensor, recipe: Fp8Recipe, transpose: bool) -> Float8Tensor:
-        self.weight_quantizations += 1
         with torch.no_grad():
             return quantize_operand(weight.detach(), recipe, "weight", self.scaling_state("weight", recipe), transpose, self)
 

@@ -35,10 +35,6 @@ class Float8Tensor:
     def from_quantized(cls, q: Fp8Quantized, granularity: Granularity) -> Float8Tensor:
         return cls(tuple(q.data.shape), q.data.dtype, granularity, q.data, q.scale_inv, q.data_t, q.scale_inv_t)
 
-    @property
-    def has_transpose(self) -> bool:
-        return self.data_t is not None
-
     def row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.data is None:
             raise RuntimeError("this Float8Tensor holds no row-major copy")
@@ -49,19 +45,10 @@ class Float8Tensor:
             raise RuntimeError("this Float8Tensor holds no transposed copy: quantize with transpose=True")
         return self.data_t, self.scale_inv_t
 
-    def without_row_major(self) -> Float8Tensor:
-        """Drop the row-major copy (e.g. what backward keeps of an input: only the transposed bytes)."""
-        return Float8Tensor(self.shape, self.fp8_dtype, self.granularity, None, None, self.data_t, self.scale_inv_t)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.data is not None:
             return dequantize(self.data, self.scale_inv, self.granularity).to(dtype)
         return dequantize(self.data_t, self.scale_inv_t, self.granularity).t().to(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.data, self.scale_inv, self.data_t, self.scale_inv_t)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ---- wire form: one flat uint8 buffer of the row-major payload followed by its fp32 scales ----
     def to_wire(self) -> torch.Tensor:
