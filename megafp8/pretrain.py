@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     print("megafp8: the training loop is not yet available (pipeline schedules, the ZeRO FP8 optimizer, the "
           "train loop and checkpoints are open issues); the FP8 TP/SP model is in megafp8.model.")
     if argv:
-        print(f"megafp8: ignoring training flags until then: {' '.join(argv)}")
+        # Exiting 0 here would let a launch script believe it trained: refuse the flags instead.
+        print(f"megafp8: error: training flags given ({' '.join(argv)}), but the training loop does not exist yet; "
+              "run without flags for the kernel self-check", file=sys.stderr)
+        return 2
     return 0
 
 

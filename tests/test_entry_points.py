@@ -27,3 +27,10 @@ def test_bench_gemm_quick_mode(tmp_path):
     assert "cast+transpose block_1x128" in quant and "device copy" in quant
     assert all(r["ms"] > 0 for r in rows)
     assert "| M | N | K | GEMM | ms | TFLOP/s |" in result.stdout
+
+
+def test_pretrain_entry_refuses_training_flags_until_the_loop_exists():
+    result = subprocess.run([sys.executable, "-m", "megafp8.pretrain", "--train-iters", "10"], capture_output=True,
+                            text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 2
+    assert "--train-iters 10" in result.stderr and "training loop does not exist yet" in result.stderr
