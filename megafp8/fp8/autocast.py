@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 from .recipe import Fp8Recipe
@@ -14,7 +13,21 @@ class _AutocastState:
     recipe: Fp8Recipe | None
 
 
-_STATE: contextvars.ContextVar[_AutocastState | None] = contextvars.ContextVar("megafp8_fp8_autocast", default=None)
+class _AutocastStack:
+    """The active fp8_autocast, innermost last.
+
+    A plain module-level object rather than a ContextVar: torch.compile (dynamo) cannot trace
+    ContextVar.get and broke the graph at every FP8 layer, whereas it reads and guards on a global
+    object's attributes (a compiled region recompiles when the active recipe changes). The state is
+    per process, not per thread or asyncio task, as TransformerEngine's FP8GlobalStateManager is: a
+    training process runs its forward passes on one thread.
+    """
+
+    def __init__(self) -> None:
+        self.current: _AutocastState | None = None
+
+
+_STATE = _AutocastStack()
 
 
 @contextlib.contextmanager
@@ -23,21 +36,22 @@ def fp8_autocast(enabled: bool = True, recipe: Fp8Recipe | None = None):
     in high precision (e.g. the BF16 baseline of a numerics report). Layers built with a recipe keep it."""
     if enabled and recipe is None:
         recipe = Fp8Recipe()
-    token = _STATE.set(_AutocastState(enabled, recipe))
+    outer = _STATE.current
+    _STATE.current = _AutocastState(enabled, recipe)
     try:
         yield
     finally:
-        _STATE.reset(token)
+        _STATE.current = outer
 
 
 def fp8_enabled() -> bool:
-    state = _STATE.get()
+    state = _STATE.current
     return state is not None and state.enabled
 
 
 def resolve_recipe(layer_recipe: Fp8Recipe | None, force_high_precision: bool) -> Fp8Recipe | None:
     """The recipe a layer runs with now: None means high precision."""
-    state = _STATE.get()
+    state = _STATE.current
     if force_high_precision or (state is not None and not state.enabled):
         return None
     if layer_recipe is not None:
