@@ -16,8 +16,10 @@ setup(
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
-        # megatron-core: the peer for the .bin/.idx byte-compatibility tests (needs only torch, numpy, packaging)
-        "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core"],
+        # Peers the tests compare against: transformers (HF Llama), megatron-core (.bin/.idx, data order, LR
+        # schedule), torchao (low-bit AdamW); tensorboard and matplotlib are what the reports write with.
+        "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
+                 "tensorboard", "matplotlib"],
         "data": ["sentencepiece", "tokenizers"],
         "report": ["matplotlib", "tensorboard"],
     },

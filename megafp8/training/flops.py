@@ -1,0 +1,32 @@
+"""FLOPs per training iteration of the Llama-style decoder: the count behind TFLOP/s/GPU and MFU.
+
+The formula is Megatron-LM's `num_floating_point_operations` for a dense model with SwiGLU and GQA
+(3 passes: forward, and backward at twice the forward; 2 FLOPs per multiply-add), written out per GEMM:
+
+    per layer and token, forward:   2h(h + 2 h_kv)        QKV projection (h_kv = kv heads x head dim)
+                                    2 h^2                 attention output projection
+                                    2 * 2 s h             QK^T and attention x V (full s x s, no causal halving)
+                                    3 * 2 h f             SwiGLU: gate, up and down projections (f = ffn hidden)
+    per token, forward:             2 h V                 the logits (V = padded vocabulary)
+
+    FLOPs(iteration) = 3 * global_batch * s * (num_layers * layer + logits)
+
+Elementwise work (norms, RoPE, softmax, the loss) is left out, as in Megatron. Counting the full
+s x s attention matches Megatron and makes TFLOP/s comparable with it; it over-counts causal
+attention by its masked half, which is why the figure is an upper bound for long sequences.
+"""
+from __future__ import annotations
+
+
+def flops_per_token_forward(*, num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                            num_query_groups: int, seq_length: int, padded_vocab_size: int) -> float:
+    """Forward FLOPs per token (multiply-add = 2), as in the module docstring."""
+    h, f, s = hidden_size, ffn_hidden_size, seq_length
+    kv = h * num_query_groups // num_attention_heads
+    layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 2 * s * h + 3 * 2 * h * f
+    return num_layers * layer + 2 * h * padded_vocab_size
+
+
+def flops_per_iteration(global_batch_size: int, **model) -> float:
+    """Training FLOPs of one iteration: forward + backward (2x forward) over the global batch."""
+    return 3.0 * global_batch_size * model["seq_length"] * flops_per_token_forward(**model)

@@ -1,0 +1,121 @@
+"""What a training run reports: the Megatron-shaped console line, `metrics.jsonl` and TensorBoard scalars.
+
+Only the caller decides what to log (rank 0 usually); this module formats and writes. The keys of a
+metrics.jsonl record are a public contract (DESIGN.md): `iteration`, `lm_loss`, `grad_norm`, `lr`,
+`tokens_per_s`, `skipped_iterations`, `comm_bytes` (bytes this rank sent per collective kind since the
+previous record), `model_state_bytes_per_param`; validation records carry `val_lm_loss`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megafp8.parallel.collectives import COMM_KINDS
+
+# Dense peak TFLOP/s per device (no sparsity), for MFU. Matched by substring of the CUDA device name.
+PEAK_TFLOPS = {  # name: (bf16, fp8)
+    "H200": (989.0, 1979.0),
+    "H100": (989.0, 1979.0),  # SXM; PCIe/NVL parts are lower: MFU then reads high
+    "H800": (989.0, 1979.0),
+    "B200": (2250.0, 4500.0),
+}
+
+
+def device_peak_tflops(device_name: str) -> tuple[float, float] | None:
+    """(bf16, fp8) dense peaks of a known GPU, else None (CPU: no MFU is reported)."""
+    return next((peak for name, peak in PEAK_TFLOPS.items() if name in device_name), None)
+
+
+@dataclass
+class IterationRecord:
+    """One logged training iteration (the fields of metrics.jsonl, plus throughput for the console)."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    lm_loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    skipped_iterations: int
+    nan_iterations: int
+    elapsed_ms_per_iteration: float
+    tflops_per_device: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    model_state_bytes_per_param: float = float("nan")
+    mfu_bf16: float | None = None
+    mfu_fp8: float | None = None
+
+    def console_line(self) -> str:
+        """Megatron's log line (DESIGN.md), one field per `|`."""
+        fields = [
+            f"iteration {self.iteration:8d}/{self.train_iters:8d}",
+            f"consumed samples: {self.consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {self.elapsed_ms_per_iteration:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {self.tflops_per_device:.3f}",
+            f"tokens per second: {self.tokens_per_s:.1f}",
+            f"learning rate: {self.lr:.6E}",
+            f"lm loss: {self.lm_loss:.6E}",
+            f"grad norm: {self.grad_norm:.3f}",
+            f"number of skipped iterations: {self.skipped_iterations:3d}",
+            f"number of nan iterations: {self.nan_iterations:3d}",
+        ]
+        if self.mfu_bf16 is not None:
+            fields.insert(4, f"MFU vs BF16 / FP8 peak: {100 * self.mfu_bf16:.1f}% / {100 * self.mfu_fp8:.1f}%")
+        return " " + " | ".join(fields) + " |"
+
+    def json_record(self) -> dict:
+        record = asdict(self)
+        record["comm_bytes"] = {kind: int(self.comm_bytes.get(kind, 0)) for kind in COMM_KINDS}
+        return {k: _finite_or_none(v) for k, v in record.items()}
+
+
+def _finite_or_none(value):
+    # JSON has no NaN/inf; a skipped step's loss is written as null instead of a non-standard token.
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class TrainingLog:
+    """Writes records to `log_dir/metrics.jsonl` and TensorBoard; either may be None (not written)."""
+
+    def __init__(self, log_dir: str | None = None, tensorboard_dir: str | None = None):
+        self.metrics_path = None
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.metrics_path = Path(log_dir) / "metrics.jsonl"
+        self.tensorboard = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # the package is an extra: say which
+                raise RuntimeError("--tensorboard-dir needs the `tensorboard` package: pip install tensorboard") from e
+            self.tensorboard = SummaryWriter(tensorboard_dir)
+
+    def _append(self, record: dict) -> None:
+        if self.metrics_path is not None:
+            with self.metrics_path.open("a") as f:  # one line per record: a crash loses at most the last one
+                f.write(json.dumps(record) + "\n")
+
+    def log_iteration(self, record: IterationRecord, fp8_telemetry: dict[str, dict[str, float]] | None = None) -> None:
+        self._append(record.json_record())
+        if self.tensorboard is not None:
+            step = record.iteration
+            for name in ("lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
+                         "model_state_bytes_per_param"):
+                value = getattr(record, name)
+                if math.isfinite(value):
+                    self.tensorboard.add_scalar(f"train/{name}", value, step)
+            for layer, stats in (fp8_telemetry or {}).items():
+                for stat, value in stats.items():
+                    self.tensorboard.add_scalar(f"fp8/{layer}/{stat}", value, step)
+
+    def log_validation(self, iteration: int, val_lm_loss: float) -> None:
+        self._append({"iteration": iteration, "val_lm_loss": _finite_or_none(val_lm_loss)})
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("validation/lm_loss", val_lm_loss, iteration)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
