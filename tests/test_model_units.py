@@ -51,6 +51,9 @@ def test_init_std_and_scaled_output_projections():
             assert torch.all(param == 1), name
         elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
             assert param.std().item() == pytest.approx(scaled, rel=0.05), name
+        elif name in ("embedding.weight", "output_layer.weight"):  # vocab padding rows are zero
+            assert torch.all(param[config.vocab_size:] == 0), name
+            assert param[: config.vocab_size].std().item() == pytest.approx(0.02, rel=0.05), name
         else:
             assert param.std().item() == pytest.approx(0.02, rel=0.05), name
 

@@ -32,10 +32,10 @@ class SelfAttention(nn.Module):
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, parallel_state,
                                                init_method=init_method_normal(config.init_method_std),
-                                               params_dtype=config.params_dtype)
+                                               params_dtype=config.params_dtype, perform_initialization=False)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              parallel_state, init_method=init_method_normal(config.output_init_std),
-                                             params_dtype=config.params_dtype)
+                                             params_dtype=config.params_dtype, perform_initialization=False)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, G/TP * (r + 2) * d]

@@ -33,6 +33,9 @@ class ModelConfig:
     scaled_init_output_projections: bool = True
     activation: str = "swiglu"
     params_dtype: torch.dtype = torch.float32
+    # Every parameter is drawn from a generator seeded by (seed, its global name), full tensor then
+    # sliced (megafp8.parallel.random): the same seed gives the same full model under any TP/PP layout.
+    seed: int = 1234
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:

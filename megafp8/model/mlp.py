@@ -29,10 +29,11 @@ class MLP(nn.Module):
         self.activation = config.activation
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, 2 * config.ffn_hidden_size, parallel_state,
                                                init_method=init_method_normal(config.init_method_std),
-                                               partition_stride=2, params_dtype=config.params_dtype)
+                                               partition_stride=2, params_dtype=config.params_dtype,
+                                               perform_initialization=False)
         self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, parallel_state,
                                             init_method=init_method_normal(config.output_init_std),
-                                            params_dtype=config.params_dtype)
+                                            params_dtype=config.params_dtype, perform_initialization=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)

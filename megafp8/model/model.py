@@ -29,6 +29,7 @@ from megafp8.model.norm import RMSNorm
 from megafp8.model.rotary import RotaryEmbedding
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.random import initialize_parameters
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 
 
@@ -79,7 +80,7 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, parallel_state,
                                                     init_method=init_method_normal(std),
-                                                    params_dtype=config.params_dtype)
+                                                    params_dtype=config.params_dtype, perform_initialization=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state) for i in layer_numbers})
@@ -91,13 +92,19 @@ class GPTModel(nn.Module):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, parallel_state, init_method=init_method_normal(std),
                 skip_weight_param_allocation=self.share_embeddings_and_output_weights, padded_vocab=True,
-                params_dtype=config.params_dtype)
+                params_dtype=config.params_dtype, perform_initialization=False)
             if config.tie_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True
             self.output_layer.force_high_precision = True  # the logits GEMM stays high precision
         if fp8_recipe is not None:
             recipes = layer_recipes(config.num_layers, fp8_recipe, first_last_layers_bf16)
             apply_precision_map(list(self.layers.values()), [recipes[int(i)] for i in self.layers])
+        # Layout-invariant init: each parameter from the generator of (seed, global name), full tensor then
+        # this rank's shard. The last stage's copy of a tied embedding is drawn as embedding.weight, so
+        # both stages start identical without communication.
+        aliases = {"output_layer.weight": "embedding.weight"} if config.tie_embeddings and not pre_process else {}
+        initialize_parameters(self, config.seed, self.tp.rank, self.tp.size, vocab_size=config.vocab_size,
+                              aliases=aliases)
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,8 +17,6 @@ everything around it (entering/leaving the TP region, bias, gather_output) stays
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,16 +33,22 @@ from megafp8.parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.random import InitMethod, NormalInit, initialize_parameter_, set_init_method
 from megafp8.parallel.sharding import set_tensor_model_parallel_attributes, vocab_range
-
-InitMethod = Callable[[torch.Tensor], object]
 
 
 def init_method_normal(std: float) -> InitMethod:
-    """N(0, std) in place; applied to the local shard (each TP rank draws its own slice)."""
-    def init_(tensor: torch.Tensor) -> torch.Tensor:
-        return nn.init.normal_(tensor, mean=0.0, std=std)
-    return init_
+    """N(0, std), applied to the parameter's full (TP=1) tensor before it is sliced (megafp8.parallel.random)."""
+    return NormalInit(std)
+
+
+def _init_weight(weight: nn.Parameter, init_method: InitMethod, tp: C.GroupHandle, perform_initialization: bool) -> None:
+    # Full tensor from the default generator, then this rank's slice: every TP rank built under the same
+    # seed holds a different shard of the same full tensor. GPTModel passes perform_initialization=False
+    # and redraws each parameter by name (megafp8.parallel.random.initialize_parameters).
+    set_init_method(weight, init_method)
+    if perform_initialization:
+        initialize_parameter_(weight, init_method, tp.rank, tp.size)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -76,7 +80,7 @@ class ColumnParallelLinear(Fp8GemmModule):
                  init_method: InitMethod | None = None, partition_stride: int = 1,
                  skip_weight_param_allocation: bool = False, padded_vocab: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 fp8_recipe: Fp8Recipe | None = None) -> None:
+                 fp8_recipe: Fp8Recipe | None = None, perform_initialization: bool = True) -> None:
         super().__init__()
         self.tp = parallel_state.tp_group
         self.input_size = input_size
@@ -93,8 +97,7 @@ class ColumnParallelLinear(Fp8GemmModule):
             self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
                                                    device=device))
             set_tensor_model_parallel_attributes(self.weight, 0, partition_stride, padded_vocab)
-            with torch.no_grad():
-                init_method(self.weight)
+            _init_weight(self.weight, init_method, self.tp, perform_initialization)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, 0, partition_stride, padded_vocab)
@@ -152,7 +155,8 @@ class RowParallelLinear(Fp8GemmModule):
     def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState, *, bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool | None = None,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, fp8_recipe: Fp8Recipe | None = None) -> None:
+                 device: torch.device | str | None = None, fp8_recipe: Fp8Recipe | None = None,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         self.tp = parallel_state.tp_group
         self.input_size = input_size
@@ -166,8 +170,7 @@ class RowParallelLinear(Fp8GemmModule):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype,
                                                device=device))
         set_tensor_model_parallel_attributes(self.weight, 1)
-        with torch.no_grad():
-            init_method(self.weight)
+        _init_weight(self.weight, init_method, self.tp, perform_initialization)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             self.bias.sequence_parallel = self.sequence_parallel
@@ -212,7 +215,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, parallel_state: ParallelState, *,
                  init_method: InitMethod | None = None, sequence_parallel: bool | None = None,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         self.tp = parallel_state.tp_group
         self.num_embeddings = num_embeddings
@@ -223,8 +227,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.vocab_end_index - self.vocab_start_index, embedding_dim,
                                                dtype=params_dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, 0, padded_vocab=True)
-        with torch.no_grad():
-            (init_method or init_method_normal(0.02))(self.weight)
+        _init_weight(self.weight, init_method or init_method_normal(0.02), self.tp, perform_initialization)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
