@@ -60,19 +60,36 @@ def test_sample_index_matches_megatron_cpp(tmp_path):
         warnings.simplefilter("ignore")
         helpers = pytest.importorskip("megatron.core.datasets.helpers")
     lengths = np.random.default_rng(1).integers(0, 40, size=500).astype(np.int32)  # includes empty documents
-    for seq_length, epochs in ((1, 1), (7, 2), (64, 3)):
-        document_index = build_document_index(np.arange(500), epochs, np.random.default_rng(2)).astype(np.int32)
-        theirs = helpers.build_sample_idx(lengths, document_index, seq_length, epochs, int(lengths.sum()), True, True)
-        ours = build_sample_index(lengths, document_index, seq_length, theirs.shape[0] - 1)
-        np.testing.assert_array_equal(ours, theirs)
+    lengths[[3, 4]] = 0  # documents that end exactly where a sample does are stepped over
+    for seq_length, epochs in ((1, 1), (7, 2), (64, 3), (5, 1)):
+        document_index = build_document_index(np.arange(500), epochs, np.random.RandomState(2))
+        # Let the index start with empty documents: Megatron still records (0, 0) for sample 0.
+        for row, document in enumerate((3, 4)):
+            where = np.flatnonzero(document_index == document)[0]
+            document_index[[row, where]] = document_index[[where, row]]
+        for extra in (True, False):
+            theirs = helpers.build_sample_idx(lengths, document_index, seq_length, epochs,
+                                              int(lengths.sum()), True, extra)
+            np.testing.assert_array_equal(build_sample_index(lengths, document_index, seq_length, None, extra), theirs)
+            ours = build_sample_index(lengths, document_index, seq_length, theirs.shape[0] - 1, extra)
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
 
 
-def test_multi_epoch_tiles_fresh_permutations(tmp_path):
+def test_epochs_mix_and_a_small_final_epoch_is_shuffled_apart(tmp_path):
     write_synthetic_dataset(str(tmp_path / "d"), [30] * 10)
     ds = GPTDataset(IndexedDataset(str(tmp_path / "d")), np.arange(10), 100, 8, seed=0, cache_dir=None)
-    assert len(ds) == 100 and ds.num_epochs == 3  # 100 * 8 + 1 tokens from 300-token epochs
-    epochs = np.asarray(ds.document_index).reshape(3, 10)
-    assert all(sorted(e) == list(range(10)) for e in epochs) and not np.array_equal(epochs[0], epochs[1])
+    # 100 * 8 + 1 tokens need 3 epochs of 300; whole epochs are built: (900 - 1) // 8 samples.
+    assert ds.num_epochs == 3 and len(ds) == 112 and ds.num_samples == 100
+    # 26 samples come from the third epoch (74 from the first two), under 80% of its 37: it is separate.
+    document_index = np.asarray(ds.document_index)
+    assert np.array_equal(np.bincount(document_index[:20]), [2] * 10)  # two epochs shuffled together
+    assert sorted(document_index[20:]) == list(range(10))
+    assert not np.array_equal(np.sort(document_index[:10]), np.arange(10))  # ...so the first 10 rows mix them
+    shuffle_index = np.asarray(ds.shuffle_index)
+    assert sorted(shuffle_index[:74]) == list(range(74)) and sorted(shuffle_index[74:]) == list(range(74, 112))
+    # 90 samples take 16 of the third epoch's 37, still under 80%; 110 take 36: then all three mix.
+    whole = GPTDataset(IndexedDataset(str(tmp_path / "d")), np.arange(10), 110, 8, seed=0, cache_dir=None)
+    assert whole.shuffle_index[:74].max() >= 74
 
 
 def test_deterministic_for_a_seed(tmp_path):
@@ -137,7 +154,8 @@ def test_train_valid_test_blend_proportions(tmp_path):
     write_synthetic_dataset(str(tmp_path / "b"), [25] * 700, seed=2)
     data_path = ["0.3", str(tmp_path / "a"), "0.7", str(tmp_path / "b")]
     train, valid, test = build_train_valid_test_datasets(data_path, "969,30,1", 32, 1234, 4000, 64, 0)
-    assert (len(train), len(valid), test) == (4000, 64, None)
+    # Megatron sizes a weighted blend as the sum of each member's share rounded up: 64 -> 20 + 45.
+    assert (len(train), len(valid), test) == (4000, 65, None)
     shares = np.bincount(train.dataset_index, minlength=2) / len(train)
     assert np.abs(shares - [0.3, 0.7]).max() < 0.01
     assert train[0]["tokens"].shape == (33,) and train[0]["tokens"].dtype == torch.int64

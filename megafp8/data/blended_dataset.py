@@ -1,22 +1,24 @@
 """Blend several datasets by weight (``--data-path 0.3 A 0.7 B``) into one deterministic sample order.
 
-Sample ``k`` of dataset ``d`` is given the ideal time ``(k + 0.5) / w_d``; merging all datasets' samples by
-that time (a stable sort, ties to the lower dataset) interleaves them so that after any ``n`` samples
-dataset ``d`` has contributed ``w_d * n`` samples to within about one. This is the same guarantee as
-Megatron-LM's greedy ``build_blending_indices``, computed with one vectorized sort instead of a loop.
+The order is Megatron-Core's ``BlendedDataset``: a greedy interleave that gives each next sample to the
+dataset furthest below its share (see ``blending_indices``), or, for an unweighted list without a sample
+count, an exhaustive interleave that takes every sample of every member exactly once.
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from megafp8.data.blending_indices import exhaustive_blending_indices, greedy_blending_indices
 from megafp8.data.index_cache import IndexCache, array_state, restore_array
+
+_INDEX_VERSION = 2  # bump when the blending changes, so old caches are not reused
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
+    """Weights divided by their sum in float64, as Megatron's ``normalize`` (the blend depends on the bits)."""
     weights = np.asarray(weights, dtype=np.float64)
     if len(weights) == 0 or np.any(~np.isfinite(weights)) or np.any(weights <= 0):
         raise ValueError(f"--data-path weights must be positive numbers, got {list(weights)}")
@@ -25,17 +27,7 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
 
 def build_blending_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """For each blended sample: which dataset it comes from, and which sample of that dataset it is."""
-    weights = normalize_weights(weights)
-    times, dataset_ids, sample_ids = [], [], []
-    for d, weight in enumerate(weights):
-        # Enough candidates that the n-th smallest time overall is always covered for this dataset.
-        count = min(num_samples, math.ceil(weight * num_samples) + 2)
-        k = np.arange(count, dtype=np.int64)
-        times.append((k + 0.5) / weight)
-        dataset_ids.append(np.full(count, d, dtype=np.int16))
-        sample_ids.append(k)
-    order = np.argsort(np.concatenate(times), kind="stable")[:num_samples]
-    return np.concatenate(dataset_ids)[order], np.concatenate(sample_ids)[order]
+    return greedy_blending_indices(normalize_weights(weights), num_samples)
 
 
 def samples_per_dataset(dataset_index: np.ndarray, num_datasets: int) -> list[int]:
@@ -46,7 +38,7 @@ class BlendedDataset(torch.utils.data.Dataset):
     """``num_samples`` samples drawn from ``datasets`` in the proportions ``weights``.
 
     Each member dataset must hold at least as many samples as the blend takes from it (see
-    ``samples_per_dataset``); the builder sizes them exactly that way.
+    ``samples_per_dataset``); the builder sizes them as Megatron does (its share plus 0.5%).
     """
 
     def __init__(
@@ -90,21 +82,27 @@ class BlendedDataset(torch.utils.data.Dataset):
 
 
 def cached_blending_indices(
-    weights: Sequence[float], num_samples: int, cache_dir: str | None
+    weights: Sequence[float] | None, num_samples: int | None, cache_dir: str | None,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``build_blending_indices`` through the index cache (an argsort over 10^8 samples takes a while).
+    """Blending indices through the index cache: greedy by normalized ``weights`` for ``num_samples``, or,
+    with ``sizes`` (and no weights), the exhaustive interleave of exactly ``sizes[d]`` samples each.
 
-    The indices depend on the weights and the sample count alone, so that is the whole cache key.
+    The indices depend on these inputs alone, so they are the whole cache key.
     """
-    description = {
-        "class": "BlendedDataset",
-        "weights": [float(w) for w in normalize_weights(weights)],
-        "num_samples": int(num_samples),
-    }
+    if sizes is not None:
+        description = {"class": "BlendedDataset", "index_version": _INDEX_VERSION, "exhaustive_sizes": [int(s) for s in sizes]}
+    else:
+        description = {"class": "BlendedDataset", "index_version": _INDEX_VERSION,
+                       # repr keeps every bit: the greedy blend changes with the last bit of a weight
+                       "weights": [repr(float(w)) for w in normalize_weights(weights)], "num_samples": int(num_samples)}
     cache = IndexCache(cache_dir, "BlendedDataset", description)
     arrays = cache.load(("dataset_index", "dataset_sample_index"))
     if arrays is None:
-        dataset_index, dataset_sample_index = build_blending_indices(weights, num_samples)
+        if sizes is not None:
+            dataset_index, dataset_sample_index = exhaustive_blending_indices(sizes)
+        else:
+            dataset_index, dataset_sample_index = build_blending_indices(weights, num_samples)
         arrays = {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
         cache.save(arrays)
         arrays = cache.load(("dataset_index", "dataset_sample_index")) or arrays

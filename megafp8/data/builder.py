@@ -6,6 +6,8 @@ through the sampler.
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import warnings
 from typing import Sequence
@@ -14,15 +16,17 @@ import numpy as np
 import torch
 
 from megafp8.data.blended_dataset import BlendedDataset, cached_blending_indices, normalize_weights
-from megafp8.data.gpt_dataset import GPTDataset, samples_per_epoch
+from megafp8.data.gpt_dataset import GPTDataset, samples_in
 from megafp8.data.indexed_dataset import IndexedDataset, bin_path, dataset_exists, idx_path
 from megafp8.data.splits import SPLIT_NAMES, parse_split, split_ranges
+
+_MID_LEVEL_SURPLUS = 0.005  # Megatron-Core's BlendedMegatronDatasetConfig.mid_level_dataset_surplus default
 
 
 def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[float] | None, list[str]]:
     """``["0.3", "A", "0.7", "B"]`` → ([0.3, 0.7], ["A", "B"]); ``["A", "B"]`` → (None, ["A", "B"]).
 
-    Unweighted prefixes are blended in proportion to their token counts. Every prefix must exist.
+    Unweighted prefixes are blended in proportion to their sample counts (Megatron). Every prefix must exist.
     """
     items = data_path.split() if isinstance(data_path, str) else list(data_path)
     if not items:
@@ -56,11 +60,14 @@ def build_train_valid_test_datasets(
     valid_samples: int | None,
     test_samples: int | None,
     cache_dir: str | None = None,
+    add_extra_token_to_sequence: bool = True,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """(train, valid, test) datasets of ``{"tokens": LongTensor[seq_length + 1]}`` samples.
 
-    A sample count of ``None`` means one epoch of that split (for a blend: until its first member would
-    repeat); ``0``, or a split with no documents, gives ``None`` for that split.
+    The datasets and their sample order are Megatron-Core's ``BlendedMegatronDatasetBuilder``'s for the
+    same ``--data-path``, ``--split``, seed, sequence length and sample counts. A count of ``None``
+    means one epoch of that split (for a weighted blend, a megafp8 extension: until its first member
+    would repeat); ``0``, or a split with no documents, gives ``None`` for that split.
     """
     weights, prefixes = parse_data_path(data_path)
     split_weights = parse_split(split)
@@ -73,8 +80,10 @@ def build_train_valid_test_datasets(
         if requested[s] == 0 or all(len(docs) == 0 for docs in documents):
             built.append(None)
             continue
-        if len(datasets) == 1:
-            built.append(_gpt(datasets[0], documents[0], requested[s], seq_length, seed, name, cache_dir))
+        gpt = functools.partial(_gpt, seq_length=seq_length, seed=seed, split_name=name, cache_dir=cache_dir,
+                                add_extra_token=add_extra_token_to_sequence)
+        if len(datasets) == 1 and weights is None:
+            built.append(gpt(datasets[0], documents[0], requested[s]))
             continue
         # A small member can have no documents in a small split (1 of 1000 of 300 documents rounds to 0):
         # the split is then blended from the other members, renormalized, rather than failing the run.
@@ -83,28 +92,56 @@ def build_train_valid_test_datasets(
             empty = [prefixes[d] for d in range(len(datasets)) if d not in members]
             warnings.warn(f"the {name} split of --split {split} has no documents from {', '.join(empty)}; "
                           "it is blended from the other datasets")
-        split_tokens = [int(np.asarray(datasets[d].sequence_lengths)[documents[d]].sum(dtype=np.int64))
-                        for d in members]
-        blend_weights = normalize_weights([weights[d] for d in members] if weights is not None else split_tokens)
-        num_samples = requested[s]
-        if num_samples is None:
-            # One epoch of the blend: as many samples as possible before any member repeats.
-            num_samples = int(min(samples_per_epoch(t, seq_length) / w for t, w in zip(split_tokens, blend_weights)))
         blend_cache = cache_dir or default_cache_dir(prefixes[0])
-        dataset_index, dataset_sample_index = cached_blending_indices(blend_weights, num_samples, blend_cache)
-        counts = np.bincount(dataset_index, minlength=len(members))
-        member_datasets = [
-            _gpt(datasets[d], documents[d], max(int(count), 1), seq_length, seed, name, cache_dir)
-            for d, count in zip(members, counts)
-        ]
-        built.append(BlendedDataset(member_datasets, blend_weights, num_samples, dataset_index, dataset_sample_index))
+        if weights is None:
+            built.append(_blend_by_length([gpt(datasets[d], documents[d], None) for d in members],
+                                          requested[s], blend_cache))
+        else:
+            member_weights = normalize_weights([weights[d] for d in members]).tolist()
+            built.append(_blend_by_weight([datasets[d] for d in members], [documents[d] for d in members],
+                                          member_weights, requested[s], gpt, blend_cache))
     return tuple(built)
 
 
+def mid_level_sizes(weights: Sequence[float], size: int) -> tuple[list[int], list[int]]:
+    """Samples the blend takes from each member (its share, rounded up) and the samples each member is
+    built with (0.5% more, Megatron's ``mid_level_dataset_surplus``), in Megatron's float arithmetic."""
+    targets = [int(math.ceil(size * w)) for w in weights]
+    return targets, [int(math.ceil(t * (1 + _MID_LEVEL_SURPLUS))) for t in targets]
+
+
+def _blend_by_weight(datasets: list[IndexedDataset], documents: list[np.ndarray], weights: list[float],
+                     size: int | None, gpt, cache: str) -> BlendedDataset:
+    """Megatron's weighted blend: members sized by share plus surplus, the blend as long as the shares' sum."""
+    if size is None:
+        # One epoch of the blend: as many samples as possible before any member repeats.
+        extra = 1 if gpt.keywords["add_extra_token"] else 0
+        epochs = [samples_in(int(np.asarray(ds.sequence_lengths)[docs].sum(dtype=np.int64)),
+                             gpt.keywords["seq_length"], extra) for ds, docs in zip(datasets, documents)]
+        size = int(min(count / w for count, w in zip(epochs, weights)))
+    targets, buffers = mid_level_sizes(weights, size)
+    members = [gpt(ds, docs, buffer) for ds, docs, buffer in zip(datasets, documents, buffers)]
+    size = sum(targets)
+    dataset_index, dataset_sample_index = cached_blending_indices(weights, size, cache)
+    return BlendedDataset(members, weights, size, dataset_index, dataset_sample_index)
+
+
+def _blend_by_length(members: list[GPTDataset], size: int | None, cache: str) -> BlendedDataset:
+    """Megatron's unweighted blend: one epoch per member, weighted by member length (samples); without a
+    sample count every sample of every member exactly once, else ``size`` samples (at most all of them)."""
+    lengths = [len(m) for m in members]
+    if size is None:
+        dataset_index, dataset_sample_index = cached_blending_indices(None, None, cache, sizes=lengths)
+        return BlendedDataset(members, lengths, sum(lengths), dataset_index, dataset_sample_index)
+    size = min(size, sum(lengths))
+    dataset_index, dataset_sample_index = cached_blending_indices(lengths, size, cache)
+    return BlendedDataset(members, lengths, size, dataset_index, dataset_sample_index)
+
+
 def _gpt(ds: IndexedDataset, documents: np.ndarray, num_samples: int | None, seq_length: int, seed: int,
-         split_name: str, cache_dir: str | None) -> GPTDataset:
+         split_name: str, cache_dir: str | None, add_extra_token: bool) -> GPTDataset:
     return GPTDataset(ds, documents, num_samples, seq_length, seed, split_name,
-                      cache_dir or default_cache_dir(ds.path_prefix))
+                      cache_dir or default_cache_dir(ds.path_prefix), add_extra_token)
 
 
 def _is_number(text: str) -> bool:

@@ -1,5 +1,11 @@
-"""Train/valid/test splits of a dataset's documents from a Megatron ``--split`` string such as ``969,30,1``."""
+"""Train/valid/test splits of a dataset's documents from a Megatron ``--split`` string such as ``969,30,1``.
+
+The arithmetic is Megatron-Core's (``parse_and_normalize_split``, ``convert_split_vector_to_split_matrix``
+and the rounding in ``BlendedMegatronDatasetBuilder``), so a split selects the same documents in both.
+"""
 from __future__ import annotations
+
+import numpy as np
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -14,16 +20,24 @@ def parse_split(split: str) -> list[float]:
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
     weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return [w / total for w in weights]
+    # numpy's float64 division, as Megatron's normalize(): the bookends below must round identically.
+    vector = np.asarray(weights, dtype=np.float64)
+    return (vector / vector.sum()).tolist()
 
 
 def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [begin, end) document ranges per split, rounded as Megatron so the ends meet exactly."""
-    bounds = [0]
+    """[begin, end) document range per split; a split of weight 0 is the empty range (Megatron: no dataset).
+
+    Bookends are the running sums of the weights, and a split's range is ``round(bookend * N)`` at both
+    ends, exactly as Megatron-Core computes them, so ranges meet and cover all documents.
+    """
+    bookends = [0.0]
     for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight * num_documents)))
-    # Rounding can overshoot or undershoot the total by a document or two: shift every bound after the first.
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(len(weights))]
+        bookends.append(bookends[-1] + weight)
+    ranges = []
+    for begin, end in zip(bookends[:-1], bookends[1:]):
+        if end <= begin:
+            ranges.append((0, 0))
+            continue
+        ranges.append((int(round(begin * float(num_documents))), int(round(end * float(num_documents)))))
+    return ranges
