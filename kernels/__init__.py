@@ -1,14 +1,17 @@
 """megafp8_kernels: FP8 quantization and GEMM kernels (Triton) with their torch reference twins.
 
 Imported as `megafp8_kernels` (the folder is kernels/; a bare `kernels` would shadow a PyPI package).
-Knows nothing of models or process groups.
+Knows nothing of models or process groups. quantize and fp8_gemm are torch custom ops (megafp8::*)
+with fake implementations, so torch.compile traces through them.
 """
-from .dispatch import BACKENDS, fp8_gemm, quantize, resolve_backend
+from .dispatch import BACKENDS, GEMM_BACKENDS, fp8_gemm, quantize, resolve_backend, resolve_gemm_backend
 from .gemm_reference import dequantize
 from .quantize_reference import expand_scale, scale_from_amax
-from .scaling import BLOCK, E4M3, E5M2, Fp8Format, Fp8Quantized, GemmScaleMode, Granularity, fp8_format, scale_shape
+from .scaled_mm import DEFAULT_SCALED_MM_MODES, SCALED_MM_ENV_VAR, scaled_mm_modes
+from .scaling import BLOCK, E4M3, E5M2, Fp8Format, Fp8Quantized, GemmScaleMode, Granularity, empty_scales, fp8_format, scale_shape
 
 __all__ = [
-    "BACKENDS", "BLOCK", "E4M3", "E5M2", "Fp8Format", "Fp8Quantized", "GemmScaleMode", "Granularity",
-    "dequantize", "expand_scale", "fp8_format", "fp8_gemm", "quantize", "resolve_backend", "scale_from_amax", "scale_shape",
+    "BACKENDS", "BLOCK", "DEFAULT_SCALED_MM_MODES", "E4M3", "E5M2", "Fp8Format", "Fp8Quantized", "GEMM_BACKENDS",
+    "GemmScaleMode", "Granularity", "SCALED_MM_ENV_VAR", "dequantize", "empty_scales", "expand_scale", "fp8_format",
+    "fp8_gemm", "quantize", "resolve_backend", "resolve_gemm_backend", "scale_from_amax", "scale_shape", "scaled_mm_modes",
 ]

@@ -1,7 +1,11 @@
-"""One public function per op: Triton on CUDA tensors, the torch reference twin on CPU tensors.
+"""One public function per op, each a torch custom op (megafp8::quantize, megafp8::fp8_gemm[_into]) with a
+fake implementation, so torch.compile traces through them without a graph break.
 
-Override with `backend=` or the environment variable MEGAFP8_KERNEL_BACKEND (auto | triton | reference);
-tests force "triton" on CPU together with TRITON_INTERPRET=1 to run the real kernels in the interpreter.
+Backends: Triton on CUDA tensors, the torch reference twin on CPU tensors. Override with `backend=` or
+the environment variable MEGAFP8_KERNEL_BACKEND (auto | triton | reference); tests force "triton" on CPU
+together with TRITON_INTERPRET=1 to run the real kernels in the interpreter. fp8_gemm also takes
+backend="scaled_mm" (torch._scaled_mm), which the auto backend picks on CUDA for the scale modes in
+MEGAFP8_SCALED_MM_MODES (see scaled_mm.py). The choice is made when the op runs, not when it is traced.
 """
 from __future__ import annotations
 
@@ -11,9 +15,19 @@ import torch
 
 from .gemm_reference import fp8_gemm_reference
 from .quantize_reference import quantize_reference
-from .scaling import Fp8Quantized, Granularity
+from .scaled_mm import fp8_gemm_scaled_mm, scaled_mm_modes, scaled_mm_supports
+from .scaling import (
+    Fp8Quantized,
+    GemmScaleMode,
+    Granularity,
+    check_gemm_args,
+    check_quantize_args,
+    empty_scales,
+    granularity,
+)
 
 BACKENDS = ("auto", "triton", "reference")
+GEMM_BACKENDS = (*BACKENDS, "scaled_mm")
 ENV_VAR = "MEGAFP8_KERNEL_BACKEND"
 
 
@@ -33,6 +47,53 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return choice
 
 
+def resolve_gemm_backend(mode: GemmScaleMode, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                         bias: torch.Tensor | None, accumulate: bool, backend: str | None = None) -> str:
+    """'triton', 'reference' or 'scaled_mm' for one GEMM call."""
+    if backend == "scaled_mm":
+        reason = scaled_mm_supports(mode, a, b, out_dtype, bias, accumulate)
+        if reason is not None:
+            raise ValueError(f"backend='scaled_mm' cannot run this GEMM: {reason}")
+        return backend
+    choice = resolve_backend(a.device, backend)
+    explicit = backend or os.environ.get(ENV_VAR, "auto")
+    if (explicit == "auto" and choice == "triton" and mode in scaled_mm_modes()
+            and scaled_mm_supports(mode, a, b, out_dtype, bias, accumulate) is None):
+        return "scaled_mm"
+    return choice
+
+
+# ---- quantize ----------------------------------------------------------------------------------------
+
+@torch.library.custom_op("megafp8::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, fp8_dtype: torch.dtype, granularity_: str, power_of_2_scale: bool,
+                 scale: torch.Tensor | None, transpose: bool, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kwargs = dict(power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose)
+    if resolve_backend(x.device, backend or None) == "triton":
+        from .quantize import quantize_triton  # Triton is imported only where it is used
+
+        q = quantize_triton(x, fp8_dtype, granularity_, **kwargs)
+    else:
+        q = quantize_reference(x, fp8_dtype, granularity_, **kwargs)
+    if transpose:
+        return q.data, q.scale_inv, q.amax, q.data_t, q.scale_inv_t
+    return q.data, q.scale_inv, q.amax, x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.float32)
+
+
+@_quantize_op.register_fake
+def _(x, fp8_dtype, granularity_, power_of_2_scale, scale, transpose, backend):
+    gran = granularity(granularity_)
+    check_quantize_args(x, fp8_dtype, gran, scale)
+    M, K = x.shape
+    scale_inv, amax = empty_scales(M, K, gran, x.device), empty_scales(M, K, gran, x.device)
+    if not transpose:
+        return x.new_empty((M, K), dtype=fp8_dtype), scale_inv, amax, x.new_empty(0, dtype=fp8_dtype), \
+            x.new_empty(0, dtype=torch.float32)
+    return (x.new_empty((M, K), dtype=fp8_dtype), scale_inv, amax, x.new_empty((K, M), dtype=fp8_dtype),
+            empty_scales(K, M, gran, x.device))
+
+
 def quantize(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -44,12 +105,50 @@ def quantize(
     backend: str | None = None,
 ) -> Fp8Quantized:
     """Quantize a 2-D tensor to FP8 (see quantize_reference for the exact rules)."""
-    kwargs = dict(power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose)
-    if resolve_backend(x.device, backend) == "triton":
-        from .quantize import quantize_triton  # Triton is imported only where it is used
+    gran = granularity.value if isinstance(granularity, Granularity) else granularity
+    data, scale_inv, amax, data_t, scale_inv_t = torch.ops.megafp8.quantize(
+        x, fp8_dtype, gran, power_of_2_scale, scale, transpose, backend or "")
+    if transpose:
+        return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t)
+    return Fp8Quantized(data, scale_inv, amax)
 
-        return quantize_triton(x, fp8_dtype, granularity, **kwargs)
-    return quantize_reference(x, fp8_dtype, granularity, **kwargs)
+
+# ---- GEMM --------------------------------------------------------------------------------------------
+
+def _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, backend) -> torch.Tensor:
+    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
+    choice = resolve_gemm_backend(mode, a, b, out_dtype, bias, accumulate, backend or None)
+    if choice == "scaled_mm":
+        return fp8_gemm_scaled_mm(a, b, scale_a, scale_b, mode, out_dtype, out)
+    kwargs = dict(out_dtype=out_dtype, bias=bias, out=out, accumulate=accumulate)
+    if choice == "triton":
+        from .gemm import fp8_gemm_triton
+
+        return fp8_gemm_triton(a, b, scale_a, scale_b, **kwargs)
+    return fp8_gemm_reference(a, b, scale_a, scale_b, **kwargs)
+
+
+@torch.library.custom_op("megafp8::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
+    return _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, None, False, backend)
+
+
+@_fp8_gemm_op.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, bias, backend):
+    check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, None, False)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("megafp8::fp8_gemm_into", mutates_args=("out",))
+def _fp8_gemm_into_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool, backend: str) -> None:
+    _run_gemm(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate, backend)
+
+
+@_fp8_gemm_into_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out, accumulate, backend):
+    check_gemm_args(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate)
 
 
 def fp8_gemm(
@@ -65,9 +164,14 @@ def fp8_gemm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """C = (A * scale_a) @ (B * scale_b).T [+ bias] [+ C] with fp32 accumulation (see gemm_reference)."""
-    kwargs = dict(out_dtype=out_dtype, bias=bias, out=out, accumulate=accumulate)
-    if resolve_backend(a.device, backend) == "triton":
-        from .gemm import fp8_gemm_triton
+    if backend is not None and backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a GEMM backend: choose one of {', '.join(GEMM_BACKENDS)}")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs `out`, the buffer to accumulate into")
+        return torch.ops.megafp8.fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, backend or "")
+    if out.dtype != out_dtype:
+        raise ValueError(f"out must be a {out_dtype} tensor, got {out.dtype}")
+    torch.ops.megafp8.fp8_gemm_into(a, b, scale_a, scale_b, bias, out, accumulate, backend or "")
+    return out
 
-        return fp8_gemm_triton(a, b, scale_a, scale_b, **kwargs)
-    return fp8_gemm_reference(a, b, scale_a, scale_b, **kwargs)

@@ -30,7 +30,7 @@ _MODE = {
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, K,
-                     stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+                     stride_am, stride_bn, stride_cm, stride_sa_m, stride_sa_k, stride_sb_n, stride_sb_k,
                      SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped launch order: GROUP_M row-blocks share each B column-block while it is hot in L2.
@@ -55,12 +55,14 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, K,
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if SCALE_MODE >= 2:
-            # BLOCK_K == 128: this step is exactly one scale group along K.
-            sa = tl.load(sa_ptr + offs_m * stride_sa + k_step, mask=m_ok, other=0.0)
+            # BLOCK_K == 128: this step is exactly one scale group along K. The quantizer stores 1x128
+            # scales K-block-major (stride_sa_m == 1), so this is one contiguous vector load per step;
+            # any other strides (e.g. row-major scales gathered over sequence parallelism) still work.
+            sa = tl.load(sa_ptr + offs_m * stride_sa_m + k_step * stride_sa_k, mask=m_ok, other=0.0)
             if SCALE_MODE == 2:
-                sb = tl.load(sb_ptr + (offs_n // 128) * stride_sb + k_step, mask=n_ok, other=0.0)
+                sb = tl.load(sb_ptr + (offs_n // 128) * stride_sb_n + k_step * stride_sb_k, mask=n_ok, other=0.0)
             else:
-                sb = tl.load(sb_ptr + offs_n * stride_sb + k_step, mask=n_ok, other=0.0)
+                sb = tl.load(sb_ptr + offs_n * stride_sb_n + k_step * stride_sb_k, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         else:
             # A fresh dot per K step added into fp32: Hopper's FP8 tensor cores accumulate with ~14
@@ -74,8 +76,8 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, K,
     if SCALE_MODE == 0:
         acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
     elif SCALE_MODE == 1:
-        sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptr + offs_n, mask=n_ok, other=0.0)
+        sa = tl.load(sa_ptr + offs_m * stride_sa_m, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_ok, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -90,22 +92,41 @@ def _config(bm, bn, bk, stages, warps, group=8):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages, num_warps=warps)
 
 
-# Hopper (sm_90): large tiles, deep pipelines; BLOCK_K is 128 so blockwise scaling has one group per step.
+# Register budget on Hopper (reasoned, not yet measured: tools/bench/gpu_check.sh prints n_regs/n_spills).
+# A wgmma accumulator lives in the registers of the warps that issue it: BLOCK_M * BLOCK_N fp32 values
+# over 32 * num_warps threads. The per-K-step promotion above keeps TWO such tiles live (the running
+# fp32 `acc` and the fresh `tl.dot` result; Triton's own max_num_imprecise_acc lowering does the same),
+# and a thread has at most 255 registers, of which ~60-90 go to addresses, masks, scale vectors and
+# loop state:
+#   128x128, 8 warps: 128*128 / 256 =  64 per tile, 128 for two   -> fits
+#    64x128 or 128x64, 4 warps:        64 per tile, 128 for two   -> fits
+#   128x128, 4 warps:                 128 per tile, 256 for two   -> spills
+#   128x256 or 256x128, 8 warps:      128 per tile, 256 for two   -> spills
+# so the spilling shapes are not offered at all. Shared memory per pipeline stage is
+# (BLOCK_M + BLOCK_N) * BLOCK_K FP8 bytes: 32 KB at 128x128, so 4 stages use 128 of Hopper's 227 KB.
+# BLOCK_K is 128 everywhere so blockwise scaling has exactly one scale group per K step.
+SM90_DEFAULT_CONFIG = _config(128, 128, 128, 4, 8)
 _SM90_CONFIGS = [
-    _config(128, 256, 128, 3, 8),
-    _config(256, 128, 128, 3, 8),
-    _config(128, 128, 128, 4, 8),
-    _config(128, 128, 128, 3, 4),
+    SM90_DEFAULT_CONFIG,
+    _config(128, 128, 128, 3, 8),
     _config(64, 128, 128, 4, 4),
     _config(128, 64, 128, 4, 4),
 ]
-# Other GPUs (Ada sm_89 and anything else with FP8 dots): smaller tiles that fit less shared memory.
+# Other GPUs with FP8 dots (Ada, sm_89: mma.sync, ~99 KB shared memory per block): smaller tiles.
+# 128x64 at 4 warps holds 64 + 64 accumulator registers and 3 x 24 KB of stages.
+FALLBACK_DEFAULT_CONFIG = _config(128, 64, 128, 3, 4)
 _FALLBACK_CONFIGS = [
-    _config(128, 128, 128, 3, 8),
-    _config(128, 64, 128, 3, 4),
+    FALLBACK_DEFAULT_CONFIG,
     _config(64, 64, 128, 4, 4),
+    _config(128, 128, 128, 3, 8),
 ]
-AUTOTUNE_ENV_VAR = "MEGAFP8_GEMM_AUTOTUNE"  # "0": first config of the set, no tuning sweep
+# Shapes the budget above rules out; kept only so gpu_check.sh can confirm the reasoning (n_spills).
+SM90_REJECTED_CONFIGS = [
+    _config(128, 256, 128, 3, 8),
+    _config(256, 128, 128, 3, 8),
+    _config(128, 128, 128, 3, 4),
+]
+AUTOTUNE_ENV_VAR = "MEGAFP8_GEMM_AUTOTUNE"  # "0": the default (non-spilling) config, no tuning sweep
 _INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": BLOCK, "GROUP_M": 2}
 
 
@@ -128,32 +149,45 @@ def fp8_gemm_triton(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
-) -> torch.Tensor:
-    """Triton twin of `fp8_gemm_reference` (same arguments)."""
+    config: triton.Config | None = None,
+):
+    """Triton twin of `fp8_gemm_reference` (same arguments). `config` forces one launch config and
+    then returns (out, Triton's compiled kernel) so tools can read its n_regs / n_spills."""
     mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
     a, b = a.contiguous(), b.contiguous()
-    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
     (M, K), N = a.shape, b.shape[0]
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype)
     elif not out.is_contiguous():
         raise ValueError("fp8_gemm's `out` must be contiguous")
     args = (a, b, out, bias if bias is not None else out, scale_a, scale_b, M, N, K,
-            a.stride(0), b.stride(0), out.stride(0),
-            scale_a.stride(0) if scale_a.dim() == 2 else 0, scale_b.stride(0) if scale_b.dim() == 2 else 0)
+            a.stride(0), b.stride(0), out.stride(0), *_scale_strides(scale_a), *_scale_strides(scale_b))
     meta = dict(SCALE_MODE=_MODE[mode], HAS_BIAS=bias is not None, ACCUMULATE=accumulate)
+    if config is not None:
+        return out, _launch(args, meta, config)
     if _interpreting():
         grid = (triton.cdiv(M, 32) * triton.cdiv(N, 32),)
         _fp8_gemm_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
         return out
     hopper = torch.cuda.get_device_capability(a.device)[0] == 9
     if os.environ.get(AUTOTUNE_ENV_VAR, "1") == "0":
-        # Tests compile dozens of specializations: one fixed config each instead of a tuning sweep.
-        config = (_SM90_CONFIGS if hopper else _FALLBACK_CONFIGS)[0]
-        grid = (triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"]),)
-        _fp8_gemm_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+        # One fixed, non-spilling config per specialization instead of a tuning sweep (tests, first runs).
+        _launch(args, meta, SM90_DEFAULT_CONFIG if hopper else FALLBACK_DEFAULT_CONFIG)
         return out
     grid = lambda cfg: (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)  # noqa: E731
     _autotuned_kernel(hopper)[grid](*args, **meta)
     return out
+
+
+def _scale_strides(scale: torch.Tensor) -> tuple[int, int]:
+    """(stride along rows, stride along K groups) of a scale tensor; 0 for a one-element scale."""
+    if scale.numel() == 1:
+        return 0, 0
+    return scale.stride(0), scale.stride(1)
+
+
+def _launch(args: tuple, meta: dict, config: triton.Config):
+    M, N = args[6], args[7]
+    grid = (triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"]),)
+    return _fp8_gemm_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                  num_stages=config.num_stages)

@@ -22,8 +22,8 @@ from .scaling import (
     Fp8Quantized,
     Granularity,
     check_quantize_args,
+    empty_scales,
     granularity,
-    scale_shape,
 )
 
 TILE = BLOCK
@@ -152,10 +152,12 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
             tl.store(scale_inv_ptr + offs_m, _reciprocal(scale), mask=row_ok)
         y = x * scale[:, None]
     elif MODE == 2:
+        # 1x128 scales (and amaxes) are K-block-major, (K/128, M) in memory: this tile's column of
+        # scales is one contiguous store, and the GEMM's K step one contiguous load.
         row_amax = _nan_max(tl.abs(x), 1)
         scale = _scale_from_amax(row_amax, FP8_MAX, POW2)
-        tl.store(amax_ptr + offs_m * n_k_tiles + pid_k, row_amax, mask=row_ok)
-        tl.store(scale_inv_ptr + offs_m * n_k_tiles + pid_k, _reciprocal(scale), mask=row_ok)
+        tl.store(amax_ptr + pid_k * M + offs_m, row_amax, mask=row_ok)
+        tl.store(scale_inv_ptr + pid_k * M + offs_m, _reciprocal(scale), mask=row_ok)
         y = x * scale[:, None]
     elif MODE == 3:
         tile_amax = _nan_max(_nan_max(tl.abs(x), 1), 0)
@@ -183,7 +185,7 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
                     tl.store(scale_inv_t_ptr + offs_k, _reciprocal(col_scale), mask=col_ok)
             else:
                 col_scale = _scale_from_amax(_nan_max(tl.abs(x), 0), FP8_MAX, POW2)
-                tl.store(scale_inv_t_ptr + offs_k * tl.num_programs(0) + pid_m, _reciprocal(col_scale), mask=col_ok)
+                tl.store(scale_inv_t_ptr + pid_m * K + offs_k, _reciprocal(col_scale), mask=col_ok)  # K-block-major
             qt = _to_fp8_bits(tl.trans(x) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
             tl.store(t_ptrs, qt, mask=t_mask)
         else:
@@ -213,10 +215,10 @@ def quantize_triton(
 
     data = torch.empty((M, K), device=dev, dtype=fp8_dtype)
     data_t = torch.empty((K, M), device=dev, dtype=fp8_dtype) if transpose else None
-    scale_inv = torch.empty(scale_shape(M, K, gran), **f32)
+    scale_inv = empty_scales(M, K, gran, dev)
     scale_inv_t = None
     if transpose and gran in (Granularity.ROWWISE, Granularity.BLOCK_1X128):
-        scale_inv_t = torch.empty(scale_shape(K, M, gran), **f32)
+        scale_inv_t = empty_scales(K, M, gran, dev)
 
     dummy = scale_inv  # stands in for pointers a mode does not touch
     col_amax = dummy
@@ -238,7 +240,7 @@ def quantize_triton(
             col_amax = col_partial.amax(dim=0)
     else:
         mode = _MODE[gran]
-        amax = torch.empty(scale_shape(M, K, gran), **f32)
+        amax = empty_scales(M, K, gran, dev)
 
     _cast_tile_kernel[grid](
         x, data.view(torch.uint8), data_t.view(torch.uint8) if transpose else data.view(torch.uint8),
@@ -252,5 +254,5 @@ def quantize_triton(
     if scale is not None:
         amax = amax.amax()
     if transpose and scale_inv_t is None:
-        scale_inv_t = scale_inv.t().contiguous()
+        scale_inv_t = scale_inv.t().clone(memory_format=torch.contiguous_format)  # never an alias of scale_inv
     return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t)

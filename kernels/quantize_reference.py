@@ -21,6 +21,7 @@ from .scaling import (
     Granularity,
     check_quantize_args,
     granularity,
+    to_scale_layout,
 )
 
 _EXPONENT_MASK = 0x7F800000
@@ -74,7 +75,7 @@ def _quantize_groups(x32: torch.Tensor, fmt: Fp8Format, gran: Granularity, power
     amax = _group_amax(x32.abs(), gran)
     scale = scale_from_amax(amax, fmt.max, power_of_2_scale)
     data = saturating_cast(x32 * expand_scale(scale, rows, cols, gran), fmt)
-    return data, reciprocal(scale), amax
+    return data, to_scale_layout(reciprocal(scale), gran), to_scale_layout(amax, gran)
 
 
 def quantize_reference(
@@ -103,6 +104,8 @@ def quantize_reference(
         return result
     if gran in (Granularity.TENSORWISE, Granularity.BLOCK_128X128):
         # Same groups, same scales: the transposed copy is the same bytes, moved.
-        return result._replace(data_t=result.data.t().contiguous(), scale_inv_t=result.scale_inv.t().contiguous())
+        # clone, not contiguous(): a 0-dim scale's transpose is itself, and outputs must not alias.
+        return result._replace(data_t=result.data.t().contiguous(),
+                               scale_inv_t=result.scale_inv.t().clone(memory_format=torch.contiguous_format))
     data_t, scale_inv_t, _ = _quantize_groups(x32.t(), fmt, gran, power_of_2_scale)
     return result._replace(data_t=data_t.contiguous(), scale_inv_t=scale_inv_t)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,16 +55,46 @@ def scale_shape(rows: int, cols: int, gran: Granularity) -> tuple[int, ...]:
         return ()
     if gran is Granularity.ROWWISE:
         return (rows, 1)
+    # -(-n // BLOCK) is ceil(n / BLOCK) in integers, which also holds for symbolic sizes under torch.compile.
     if gran is Granularity.BLOCK_1X128:
-        return (rows, math.ceil(cols / BLOCK))
-    return (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+        return (rows, -(-cols // BLOCK))
+    return (-(-rows // BLOCK), -(-cols // BLOCK))
+
+
+def scale_is_k_block_major(gran: Granularity) -> bool:
+    """1x128 scales are stored K-block-major: logical shape (rows, K/128), memory (K/128, rows).
+
+    A GEMM's K step then loads one contiguous vector of scales for its rows instead of one strided
+    element per row (DeepGEMM and torch._scaled_mm's blockwise path want this "column-major" layout
+    too). Indexing is unchanged: `scale_inv[m, k]` is still row m's k-th group; only strides differ.
+    """
+    return gran is Granularity.BLOCK_1X128
+
+
+def empty_scales(rows: int, cols: int, gran: Granularity, device: torch.device | str | None = None) -> torch.Tensor:
+    """An uninitialised fp32 scale tensor for a (rows, cols) operand, in the layout every backend returns."""
+    shape = scale_shape(rows, cols, gran)
+    if scale_is_k_block_major(gran):
+        return torch.empty(shape[::-1], device=device, dtype=torch.float32).t()
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
+def to_scale_layout(scales: torch.Tensor, gran: Granularity) -> torch.Tensor:
+    """The same scale values in the canonical layout (see scale_is_k_block_major)."""
+    if scale_is_k_block_major(gran):
+        # Not scales.t().contiguous().t(): that keeps odd strides on size-1 dims, and every backend
+        # must return identical strides (custom-op fake tensors and the tests compare them).
+        rows, groups = scales.shape
+        return torch.empty((groups, rows), device=scales.device, dtype=scales.dtype).t().copy_(scales)
+    return scales.contiguous()
 
 
 class Fp8Quantized(NamedTuple):
     """Result of a quantization. Dequantize as `data.float() * scale_inv` (broadcast per group).
 
     data:        (M, K) FP8, row-major.
-    scale_inv:   fp32 dequantization scale(s), shape `scale_shape(M, K, granularity)`.
+    scale_inv:   fp32 dequantization scale(s), shape `scale_shape(M, K, granularity)`; 1x128 scales are
+                 K-block-major in memory (see scale_is_k_block_major), the others contiguous.
     amax:        fp32 absolute max of the input per scaling group (same shape as scale_inv); with a
                  given scale (delayed scaling) it is the tensor's amax, for the next scale update.
     data_t:      (K, M) FP8 copy of x.T quantized with its own groups along M (None unless transpose=True).

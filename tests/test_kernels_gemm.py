@@ -88,6 +88,86 @@ def test_gradient_formats_vs_fp64():
         assert sqnr_db(out.cpu(), dy.double() @ w.double()) >= 22.0
 
 
+def test_triton_reads_any_scale_layout():
+    """The quantizer's K-block-major 1x128 scales and row-major copies of them (what a sequence-parallel
+    gather returns) give the same product."""
+    a, b, sa, sb = _operands(70, 90, 300, E4M3, E4M3, GemmScaleMode.BLOCKWISE_1X128, 3)
+    assert sa.stride() == (1, 70) and sb.stride() == (1, 90)
+    expected = fp8_gemm_reference(a, b, sa, sb)
+    for sa_, sb_ in ((sa, sb), (sa.contiguous(), sb.contiguous()), (sa, sb.contiguous())):
+        got = fp8_gemm(*_to(DEVICE, a, b, sa_, sb_), backend="triton")
+        assert sqnr_db(got.cpu(), expected) >= 50.0
+
+
+@pytest.mark.parametrize("mode,out_dtype", [(GemmScaleMode.TENSORWISE, torch.float32), (GemmScaleMode.TENSORWISE, torch.bfloat16),
+                                            (GemmScaleMode.ROWWISE, torch.bfloat16)], ids=str)
+def test_scaled_mm_backend_matches_reference(mode, out_dtype):
+    """torch._scaled_mm receives our operands and scales in the layout it wants (on CPU it has a kernel
+    too, so the plumbing is tested here; its CUDA speed is gpu_check.sh's business)."""
+    a, b, sa, sb = _operands(64, 96, 256, E4M3, E4M3, mode, 4)
+    expected = fp8_gemm_reference(a, b, sa, sb, out_dtype=out_dtype)
+    got = fp8_gemm(*_to(DEVICE, a, b, sa, sb), out_dtype=out_dtype, backend="scaled_mm")
+    assert sqnr_db(got.float().cpu(), expected.float()) >= 40.0
+    out = torch.full((64, 96), float("nan"), dtype=out_dtype, device=DEVICE)
+    assert fp8_gemm(*_to(DEVICE, a, b, sa, sb), out_dtype=out_dtype, out=out, backend="scaled_mm") is out
+    assert sqnr_db(out.float().cpu(), expected.float()) >= 40.0
+
+
+def test_dispatch_sends_eligible_cuda_gemms_to_scaled_mm(monkeypatch):
+    """The auto backend's per-mode choice, decided on fake CUDA tensors (no GPU needed to decide)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megafp8_kernels import SCALED_MM_ENV_VAR, resolve_gemm_backend
+
+    monkeypatch.delenv("MEGAFP8_KERNEL_BACKEND", raising=False)
+    monkeypatch.delenv(SCALED_MM_ENV_VAR, raising=False)
+    T, R, B = GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE, GemmScaleMode.BLOCKWISE
+    with FakeTensorMode():
+        a = torch.empty(256, 512, device="cuda", dtype=E4M3.dtype)
+        b = torch.empty(128, 512, device="cuda", dtype=E4M3.dtype)
+        e5 = torch.empty(256, 512, device="cuda", dtype=E5M2.dtype)
+        odd = torch.empty(100, 512, device="cuda", dtype=E4M3.dtype)
+        bias = torch.empty(128, device="cuda")
+        assert resolve_gemm_backend(T, a, b, torch.bfloat16, None, False) == "scaled_mm"
+        assert resolve_gemm_backend(R, a, b, torch.bfloat16, None, False) == "scaled_mm"
+        assert resolve_gemm_backend(R, a, b, torch.float32, None, False) == "triton"  # rowwise: bf16 out only
+        assert resolve_gemm_backend(R, e5, b, torch.bfloat16, None, False) == "triton"
+        assert resolve_gemm_backend(T, e5, b, torch.bfloat16, None, False) == "scaled_mm"
+        assert resolve_gemm_backend(B, a, b, torch.bfloat16, None, False) == "triton"
+        assert resolve_gemm_backend(T, a, b, torch.float32, None, True) == "triton"  # accumulate: fused epilogue
+        assert resolve_gemm_backend(T, a, b, torch.float32, bias, False) == "triton"
+        assert resolve_gemm_backend(T, a, odd, torch.float32, None, False) == "triton"  # N % 16
+        assert resolve_gemm_backend(T, a, b, torch.bfloat16, None, False, backend="triton") == "triton"
+        monkeypatch.setenv(SCALED_MM_ENV_VAR, "rowwise")
+        assert resolve_gemm_backend(T, a, b, torch.bfloat16, None, False) == "triton"
+        assert resolve_gemm_backend(R, a, b, torch.bfloat16, None, False) == "scaled_mm"
+        monkeypatch.setenv(SCALED_MM_ENV_VAR, "none")
+        assert resolve_gemm_backend(R, a, b, torch.bfloat16, None, False) == "triton"
+        monkeypatch.setenv(SCALED_MM_ENV_VAR, "blockwise")
+        with pytest.raises(ValueError, match=SCALED_MM_ENV_VAR):
+            resolve_gemm_backend(R, a, b, torch.bfloat16, None, False)
+    cpu = torch.empty(256, 512, dtype=E4M3.dtype)
+    monkeypatch.delenv(SCALED_MM_ENV_VAR)
+    assert resolve_gemm_backend(T, cpu, cpu, torch.bfloat16, None, False) == "reference", "CPU keeps the twin"
+    with pytest.raises(ValueError, match="cannot run this GEMM"):
+        resolve_gemm_backend(B, cpu, cpu, torch.bfloat16, None, False, backend="scaled_mm")
+
+
+def test_offered_hopper_configs_fit_the_register_budget():
+    """The reasoning in gemm.py as an invariant: two fp32 accumulator tiles (running sum + per-K-step
+    dot) take at most 128 of a thread's 255 registers in every offered config, the default included,
+    and MEGAFP8_GEMM_AUTOTUNE=0 launches the default."""
+    from megafp8_kernels import gemm
+
+    def acc_regs(cfg):
+        return 2 * cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] // (32 * cfg.num_warps)
+
+    assert gemm.SM90_DEFAULT_CONFIG is gemm._SM90_CONFIGS[0]
+    assert all(acc_regs(cfg) <= 128 for cfg in gemm._SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
+    assert all(acc_regs(cfg) > 192 for cfg in gemm.SM90_REJECTED_CONFIGS)
+    assert all(cfg.kwargs["BLOCK_K"] == 128 for cfg in gemm._SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
+
+
 # ---- errors a caller can make ----
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

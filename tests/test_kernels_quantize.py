@@ -36,6 +36,7 @@ def _assert_same(result, expected):
         if want is None:
             continue
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert got.stride() == want.stride(), f"{name}: layout {got.stride()} != {want.stride()}"
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True, msg=f"{name} differs")
 
 
@@ -152,6 +153,20 @@ def test_power_of_two_scales_are_powers_of_two():
         s = _triton(x, E4M3, gran, power_of_2_scale=True).scale_inv.cpu()
         mantissa, _ = torch.frexp(s)
         assert torch.all(mantissa == 0.5), gran
+
+
+def test_block_1x128_scales_are_k_block_major():
+    """1x128 scales keep their logical (rows, K/128) shape but are stored (K/128, rows): a GEMM's K step
+    reads one contiguous scale vector. Both backends, both copies; amax shares the layout."""
+    x = _input((300, 260), seed=4)
+    for q in (quantize_reference(x, E4M3.dtype, "block_1x128", transpose=True),
+              _triton(x, E4M3, "block_1x128", transpose=True)):
+        assert q.scale_inv.shape == (300, 3) and q.scale_inv.stride() == (1, 300)
+        assert q.amax.shape == (300, 3) and q.amax.stride() == (1, 300)
+        assert q.scale_inv_t.shape == (260, 3) and q.scale_inv_t.stride() == (1, 260)
+        # the same numbers as the row-major computation of each group's scale
+        groups = torch.nn.functional.pad(x, (0, 124)).view(300, 3, 128).abs().amax(dim=2)
+        assert torch.equal(q.amax.cpu(), groups)
 
 
 def test_transposed_copy_is_the_quantized_transpose():
