@@ -1,5 +1,8 @@
 """Benchmark FP8 GEMMs (TFLOP/s) and quantization (GB/s): ours (Triton) against bf16 matmul and torch._scaled_mm.
 
+Also prints, per scale mode, whether the Triton kernel or torch._scaled_mm is faster and the
+MEGAFP8_SCALED_MM_MODES value that follows (the dispatcher's per-mode choice, see kernels/scaled_mm.py).
+
 GPU (the real measurement; results go into docs/benchmarks.md with date, GPU, versions, command):
     python tools/bench/bench_gemm.py
 CPU smoke run (reference path, small sizes; exercises the script in CI, its numbers mean little):
@@ -25,6 +28,7 @@ from megafp8_kernels import E4M3, fp8_gemm, quantize
 GPU_SQUARE = [2048, 4096, 8192]
 GPU_LLAMA8B = [(8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (8192, 6144, 4096)]  # (M, N, K)
 CPU_QUICK = [(128, 128, 128), (256, 256, 256)]
+SCALED_MM_CHOICES = ("tensorwise", "rowwise")  # the modes dispatch may send to torch._scaled_mm
 
 
 def _time_ms(fn: Callable[[], object], device: str) -> float:
@@ -65,10 +69,38 @@ def _gemm_cases(M: int, N: int, K: int, device: str, fp8_backend: str):
     except (RuntimeError, NotImplementedError) as err:  # older torch or unsupported device
         print(f"# torch._scaled_mm skipped: {err}".splitlines()[0], file=sys.stderr)
     label = "triton" if fp8_backend == "triton" else "reference"
-    for name, (qa, qb) in {"tensorwise": (qt_x, qt_w), "rowwise": (qr_x, qr_w), "blockwise": (qb_x, qb_w)}.items():
+    operands = {"tensorwise": (qt_x, qt_w), "rowwise": (qr_x, qr_w), "blockwise": (qb_x, qb_w)}
+    for name, (qa, qb) in operands.items():
         cases[f"megafp8 {label} {name}"] = (
             lambda qa=qa, qb=qb: fp8_gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=out, backend=fp8_backend))
+    # The dispatcher's torch._scaled_mm path, through the same custom op as the Triton rows (bf16 out:
+    # the only rowwise output _scaled_mm takes).
+    for name in SCALED_MM_CHOICES:
+        qa, qb = operands[name]
+        cases[f"megafp8 scaled_mm {name}"] = (lambda qa=qa, qb=qb: fp8_gemm(
+            qa.data, qb.data, qa.scale_inv, qb.scale_inv, out_dtype=torch.bfloat16, backend="scaled_mm"))
     return cases
+
+
+def _scaled_mm_recommendation(rows: list[dict], triton_label: str) -> str:
+    """Per mode, the geometric-mean time ratio Triton / _scaled_mm over all shapes, and the resulting
+    MEGAFP8_SCALED_MM_MODES setting (modes where _scaled_mm is faster)."""
+    faster, lines = [], []
+    for mode in SCALED_MM_CHOICES:
+        ratios = []
+        for shape in {(r["M"], r["N"], r["K"]) for r in rows if r["kind"] == "gemm"}:
+            times = {r["name"]: r["ms"] for r in rows if r["kind"] == "gemm" and (r["M"], r["N"], r["K"]) == shape}
+            ours, theirs = times.get(f"megafp8 {triton_label} {mode}"), times.get(f"megafp8 scaled_mm {mode}")
+            if ours and theirs:
+                ratios.append(ours / theirs)
+        if not ratios:
+            continue
+        geomean = statistics.geometric_mean(ratios)
+        lines.append(f"# {mode}: {triton_label} time / scaled_mm time = {geomean:.2f} (geometric mean of {len(ratios)} shapes)")
+        if geomean > 1.0:
+            faster.append(mode)
+    lines.append(f"# recommended: MEGAFP8_SCALED_MM_MODES={','.join(faster) or 'none'}")
+    return "\n".join(lines)
 
 
 def _quantize_cases(M: int, K: int, device: str, fp8_backend: str):
@@ -114,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"kind": "quantize", "M": M, "K": K, "name": name, "ms": ms, "gbs": gbs})
             print(f"| {M} | {K} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
 
+    print()
+    if device == "cuda":
+        print(_scaled_mm_recommendation(rows, fp8_backend))
+    else:
+        print("# no scaled_mm recommendation on CPU: the dispatcher runs the reference twin there")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": hw, "torch": torch.__version__, "rows": rows}, f, indent=1)
