@@ -1,0 +1,363 @@
+"""AdamW over the DP-sharded grad buffer (ZeRO-1, Megatron's distributed optimizer) with low-precision
+master weights and optimizer states, global grad-norm clipping, NaN/inf step skipping, and the
+parameter publication (high precision or FP8 bytes) that follows each step.
+
+Ranges (Megatron's four): a bucket's *world* range is ``[offset, offset + numel)`` of the grad buffer;
+this DP rank's *local* (gbuf) range of it is ``[r S, (r+1) S)``; a parameter's *param* range is its
+``[start, end)`` in the bucket; their intersection is a ``Fragment``: the part of one parameter this
+rank owns, addressed in the parameter's own flat index (``param_lo``/``param_hi``, what checkpoints
+store) and in this rank's flat optimizer storage (``storage_lo``). Without the distributed optimizer
+every rank owns every bucket whole (plain DDP with the same update code).
+
+The step processes one chunk (``chunk_size`` elements, 128-aligned) at a time: decode master, m and v,
+update in fp32, encode. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
+(FP8-LM), agreed over DP by a MAX all-reduce of the per-tensor amaxes so a checkpoint re-slices at any
+DP size; the scale moves only when ``amax * scale`` leaves ``[2^8, 2^13]`` (exact power-of-two rescale).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafp8.fp8 import invalidate_fp8_weight_caches
+from megafp8.optim.fp8_param_cast import (accumulate_group_amax, cast_to_fp8, group_index, num_scale_groups,
+                                          scale_inv_for)
+from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
+from megafp8.parallel import collectives as C
+from megafp8.parallel.collectives import GroupHandle
+from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tensor_bytes
+from megafp8.parallel.sharding import is_tensor_model_parallel
+from megafp8_kernels import fp8_format, scale_from_amax
+
+MASTER_DTYPES = ("fp32", "fp16")
+FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
+
+
+@dataclass(eq=False)
+class Fragment:
+    """The part ``[param_lo, param_hi)`` of one parameter that this rank owns."""
+
+    index: int
+    param: nn.Parameter
+    name: str
+    bucket: Bucket
+    bucket_lo: int
+    param_lo: int
+    param_hi: int
+    storage_lo: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_hi - self.param_lo
+
+
+@dataclass
+class StepResult:
+    skipped: bool
+    grad_norm: float
+
+
+class DistributedOptimizer:
+    """AdamW (torch.optim.AdamW's update rule) on the shards this rank owns.
+
+    ddp:                    the DistributedDataParallel wrapper (its config says whether states are sharded)
+    betas, eps:             AdamW's
+    weight_decay:           --weight-decay; decoupled, applied to parameters with >= 2 dims only (not norms, biases)
+    clip_grad:              --clip-grad; global L2 norm over TP x PP x DP (0 = off)
+    master_weight_dtype:    --master-weight-dtype fp32|fp16
+    optimizer_state_dtype:  --optimizer-state-dtype fp32|bf16|fp8 (see megafp8.optim.state_codec)
+    chunk_size:             elements decoded at once inside the step
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, clip_grad: float = 0.0, master_weight_dtype: str = "fp32",
+                 optimizer_state_dtype: str = "fp32", chunk_size: int = 1 << 16) -> None:
+        if master_weight_dtype not in MASTER_DTYPES:
+            raise ValueError(f"--master-weight-dtype must be one of {', '.join(MASTER_DTYPES)}, got {master_weight_dtype!r}")
+        if clip_grad < 0 or weight_decay < 0:
+            raise ValueError(f"--clip-grad ({clip_grad}) and --weight-decay ({weight_decay}) must be >= 0")
+        self.ddp = ddp
+        self.betas, self.eps, self.weight_decay, self.clip_grad = betas, eps, weight_decay, clip_grad
+        self.master_weight_dtype, self.optimizer_state_dtype = master_weight_dtype, optimizer_state_dtype
+        self.chunk_size = max(GROUP, chunk_size // GROUP * GROUP)
+        self.step_count = 0
+        self.skipped_steps = 0
+        ps = ddp.parallel_state
+        self.dp, self.tp = ddp.dp, ddp.tp
+        self.world = _world_handle(ps)
+        self.fragments = self._make_fragments()
+        numel = sum(b.shard_range(self.dp.rank, self.dp.size, ddp.distributed)[1]
+                    - b.shard_range(self.dp.rank, self.dp.size, ddp.distributed)[0] for b in ddp.buckets)
+        device = ddp.grad_buffers[0].device
+        self.master: StateCodec = PlainCodec(numel, device, torch.float16 if master_weight_dtype == "fp16" else torch.float32)
+        self.master_scale = torch.ones(len(self.fragments), device=device)  # fp16 codes = value * scale
+        self.exp_avg = make_state_codec(optimizer_state_dtype, numel, device)
+        self.exp_avg_sq = make_state_codec(optimizer_state_dtype, numel, device)
+        self._init_master()
+        self._publish()
+        ddp.release_fp8_param_storage()
+        ddp.finish_param_sync()
+
+    # ---- ranges ---------------------------------------------------------------------------------
+    def _make_fragments(self) -> list[Fragment]:
+        fragments, storage = [], 0
+        for bucket in self.ddp.buckets:
+            lo, hi = bucket.shard_range(self.dp.rank, self.dp.size, self.ddp.distributed)
+            for p in bucket.params:
+                start, end = bucket.ranges[p]
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    fragments.append(Fragment(len(fragments), p, self.ddp.param_names[p], bucket, a, a - start, b - start,
+                                              storage + a - lo))
+            storage += hi - lo
+        return fragments
+
+    def _chunks(self, frag: Fragment):
+        """(bucket index range, storage range) of each chunk of a fragment."""
+        for off in range(0, frag.numel, self.chunk_size):
+            n = min(self.chunk_size, frag.numel - off)
+            yield frag.bucket_lo + off, frag.storage_lo + off, n, frag.param_lo + off
+
+    # ---- master weights -------------------------------------------------------------------------
+    def _decode_master(self, frag: Fragment, s: int, n: int) -> torch.Tensor:
+        values = self.master.decode(s, s + n)
+        return values / self.master_scale[frag.index] if self.master_weight_dtype == "fp16" else values
+
+    def _encode_master(self, frag: Fragment, s: int, n: int, values: torch.Tensor) -> None:
+        if self.master_weight_dtype == "fp16":
+            values = values * self.master_scale[frag.index]
+        self.master.encode(s, s + n, values)
+
+    def _agreed_param_amax(self, local: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over DP."""
+        params = list(self.ddp.bucket_of)
+        amax = torch.stack([local.get(p, torch.zeros((), device=self.master_scale.device)) for p in params])
+        C.all_reduce(amax, self.dp, "amax_reduce", op=dist.ReduceOp.MAX)
+        return dict(zip(params, amax))
+
+    def _init_master(self) -> None:
+        values = {}
+        for frag in self.fragments:
+            values[frag] = frag.bucket.param_data[frag.bucket_lo:frag.bucket_lo + frag.numel].float()
+        if self.master_weight_dtype == "fp16":
+            amax = self._agreed_param_amax({f.param: v.abs().amax() for f, v in values.items()})
+            for frag in self.fragments:
+                self.master_scale[frag.index] = _pow2_scale(amax[frag.param])
+        for frag, v in values.items():
+            self._encode_master(frag, frag.storage_lo, frag.numel, v)
+
+    def _rescale_fp16_master(self, local_amax: dict[nn.Parameter, torch.Tensor]) -> None:
+        amax = self._agreed_param_amax(local_amax)
+        for frag in self.fragments:
+            a, scale = amax[frag.param], self.master_scale[frag.index]
+            level = torch.log2(a * scale) if a > 0 else None
+            if level is None or FP16_SCALE_LOW <= level <= FP16_SCALE_HIGH:
+                continue
+            new_scale = _pow2_scale(a)
+            s = frag.storage_lo
+            codes = self.master.decode(s, s + frag.numel)
+            self.master.encode(s, s + frag.numel, codes * (new_scale / scale))  # power of two: exact
+            self.master_scale[frag.index] = new_scale
+
+    # ---- the step -------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+
+    def _grad(self, frag: Fragment, b: int, n: int) -> torch.Tensor:
+        return frag.bucket.grad_data[b:b + n].float()
+
+    @torch.no_grad()
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Sum of squared grads over the whole model, each element once: TP-replicated parameters count
+        on TP rank 0, a pipeline copy of a tied embedding (``shared_embedding``) not at all, DP shards are
+        disjoint (plain DDP: replicas are identical, so each counts 1/DP). NaN/inf anywhere -> non-finite."""
+        total = torch.zeros((), dtype=torch.float64, device=self.master_scale.device)
+        for frag in self.fragments:
+            p = frag.param
+            if getattr(p, "shared_embedding", False) or (not is_tensor_model_parallel(p) and self.tp.rank != 0):
+                continue
+            for b, _s, n, _pl in self._chunks(frag):
+                total += self._grad(frag, b, n).double().square().sum()
+        if not self.ddp.distributed:
+            total /= self.dp.size
+        return C.all_reduce(total, self.world, "dp_grad_reduce")
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        """One AdamW step with learning rate ``lr`` (the training loop owns the schedule)."""
+        self.ddp.finish_grad_sync()
+        self.ddp.finish_param_sync()  # no gather may still be writing into the parameters
+        norm = float(self.grad_norm_squared().sqrt())
+        if not math.isfinite(norm):
+            self.skipped_steps += 1  # every rank saw the same all-reduced value: all skip together
+            return StepResult(True, norm)
+        clip = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 and norm + 1e-6 > self.clip_grad else 1.0
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias_correction1 = 1 - beta1 ** self.step_count
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
+        local_amax = {}
+        for frag in self.fragments:
+            decay = self.weight_decay if frag.param.dim() >= 2 else 0.0
+            for b, s, n, _pl in self._chunks(frag):
+                g = self._grad(frag, b, n)
+                if clip != 1.0:
+                    g.mul_(clip)
+                p = self._decode_master(frag, s, n)
+                m, v = self.exp_avg.decode(s, s + n), self.exp_avg_sq.decode(s, s + n)
+                # torch.optim.AdamW (single-tensor, non-capturable) in the same operation order.
+                p.mul_(1 - lr * decay)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+                p.addcdiv_(m, denom, value=-lr / bias_correction1)
+                self._encode_master(frag, s, n, p)
+                self.exp_avg.encode(s, s + n, m)
+                self.exp_avg_sq.encode(s, s + n, v)
+                a = p.abs().amax()
+                local_amax[frag.param] = torch.maximum(local_amax.get(frag.param, a), a)
+        if self.master_weight_dtype == "fp16":
+            self._rescale_fp16_master(local_amax)
+        self._publish()
+        return StepResult(False, norm)
+
+    # ---- publishing the new weights -------------------------------------------------------------
+    def _publish(self) -> None:
+        """Write every owned shard into the model (high precision, or FP8 bytes for FP8 layers under
+        --fp8-param-gather), then start the DP all-gather."""
+        invalidate_fp8_weight_caches(self.ddp.module)
+        fp8_frags = []
+        for frag in self.fragments:
+            if frag.param in self.ddp.fp8_params:
+                fp8_frags.append(frag)
+                continue
+            for b, s, n, _pl in self._chunks(frag):
+                frag.bucket.param_data[b:b + n].copy_(self._decode_master(frag, s, n))
+        if self.ddp.fp8_params:
+            self._publish_fp8(fp8_frags)
+        self.ddp.start_param_sync()
+
+    def _publish_fp8(self, fp8_frags: list[Fragment]) -> None:
+        infos = self.ddp.fp8_params
+        scales: dict[nn.Parameter, torch.Tensor] = {}
+        current = []
+        for p, info in infos.items():
+            state = info.module.scaling_state("weight", info.recipe)
+            if state is not None and not getattr(state, "is_cold", False):
+                scales[p] = state.scale.reshape(1)
+            else:
+                current.append(p)
+        if current:  # current scaling: agree on every group's amax first (one batched MAX all-reduce)
+            sizes = [num_scale_groups(tuple(p.shape), infos[p].recipe.granularity("weight")) for p in current]
+            amax = torch.zeros(sum(sizes), device=self.master_scale.device)
+            views = dict(zip(current, amax.split(sizes)))
+            for frag in fp8_frags:
+                if frag.param in views:
+                    self._for_fp8_chunks(frag, lambda values, groups, v=views[frag.param]:
+                                         accumulate_group_amax(v, values, groups))
+            C.all_reduce(amax, self.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
+            for p in current:
+                recipe = infos[p].recipe
+                scales[p] = scale_from_amax(views[p], fp8_format(recipe.dtype("weight")).max, recipe.power_of_2_scale)
+        for p, info in infos.items():
+            info.scale_inv = scale_inv_for(scales[p], tuple(p.shape), info.recipe.granularity("weight"))
+        for frag in fp8_frags:
+            info = infos[frag.param]
+            fp8_dtype, state = info.recipe.dtype("weight"), info.module.scaling_state("weight", info.recipe)
+            offset = frag.bucket_lo
+
+            def write(values, groups, frag=frag, fp8_dtype=fp8_dtype, state=state):
+                nonlocal offset
+                frag.bucket.fp8_data[offset:offset + values.numel()].copy_(
+                    cast_to_fp8(values, scales[frag.param], groups, fp8_dtype))
+                offset += values.numel()
+                if state is not None:  # the weight role's amax feeds its delayed-scaling history
+                    state.observe(values.abs().amax())
+
+            self._for_fp8_chunks(frag, write)
+
+    def _for_fp8_chunks(self, frag: Fragment, fn) -> None:
+        gran = self.ddp.fp8_params[frag.param].recipe.granularity("weight")
+        for _b, s, n, pl in self._chunks(frag):
+            values = self._decode_master(frag, s, n)
+            fn(values, group_index(pl, pl + n, tuple(frag.param.shape), gran, values.device))
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [*self.master.tensors().values(), self.master_scale, *self.exp_avg.tensors().values(),
+                *self.exp_avg_sq.tensors().values()]
+
+    def model_state_bytes_per_param(self) -> float:
+        """(weights + grads + master + optimizer state held by this rank) / parameters of this rank's
+        model shard, from the actual tensors."""
+        return tensor_bytes(self.ddp.state_tensors() + self.state_tensors()) / self.ddp.num_params()
+
+    # ---- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard, each fragment addressed by parameter name and flat ``[start, end)``: a
+        checkpoint saved at one DP size loads at another by re-slicing (codec groups are 128-aligned
+        in every parameter, so they never straddle shards)."""
+        fragments = {}
+        for frag in self.fragments:
+            entry = {"start": frag.param_lo, "end": frag.param_hi, "numel": frag.param.numel(),
+                     "master_scale": self.master_scale[frag.index].clone()}
+            for prefix, codec in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                for key, t in codec.tensors().items():
+                    entry[f"{prefix}.{key}"] = _slice_storage(t, codec.numel, frag.storage_lo, frag.numel).clone()
+            fragments[frag.name] = entry
+        return {"step": self.step_count, "skipped_steps": self.skipped_steps, "fragments": fragments,
+                "master_weight_dtype": self.master_weight_dtype, "optimizer_state_dtype": self.optimizer_state_dtype}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dicts: dict | list[dict]) -> None:
+        """Load from the state dicts of every DP rank of the saving run (same TP/PP position), any DP size."""
+        state_dicts = [state_dicts] if isinstance(state_dicts, dict) else list(state_dicts)
+        for sd in state_dicts:
+            if (sd["master_weight_dtype"], sd["optimizer_state_dtype"]) != (self.master_weight_dtype, self.optimizer_state_dtype):
+                raise ValueError(f"optimizer checkpoint has --master-weight-dtype {sd['master_weight_dtype']} and "
+                                 f"--optimizer-state-dtype {sd['optimizer_state_dtype']}; this run uses "
+                                 f"{self.master_weight_dtype} and {self.optimizer_state_dtype}")
+        self.step_count, self.skipped_steps = state_dicts[0]["step"], state_dicts[0]["skipped_steps"]
+        for frag in self.fragments:
+            covered = 0
+            for sd in state_dicts:
+                old = sd["fragments"].get(frag.name)
+                if old is None or old["end"] <= frag.param_lo or old["start"] >= frag.param_hi:
+                    continue
+                lo, hi = max(old["start"], frag.param_lo), min(old["end"], frag.param_hi)
+                covered += hi - lo
+                self.master_scale[frag.index] = old["master_scale"]
+                for prefix, codec in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                    for key, t in codec.tensors().items():
+                        src = _slice_storage(old[f"{prefix}.{key}"], old["end"] - old["start"], lo - old["start"], hi - lo,
+                                             per_group=t.numel() != codec.numel)
+                        _slice_storage(t, codec.numel, frag.storage_lo + lo - frag.param_lo, hi - lo).copy_(src)
+            if covered != frag.numel:
+                raise ValueError(f"optimizer checkpoint covers {covered} of the {frag.numel} elements of {frag.name} "
+                                 f"[{frag.param_lo}, {frag.param_hi}) this rank owns: pass every DP rank's state dict")
+        self._publish()
+
+
+def _slice_storage(t: torch.Tensor, numel: int, start: int, n: int, per_group: bool | None = None) -> torch.Tensor:
+    """Elements ``[start, start + n)`` of a per-element tensor, or their groups of a per-group one."""
+    if per_group is None:
+        per_group = t.numel() != numel
+    if per_group:
+        return t[start // GROUP: -(-(start + n) // GROUP)]
+    return t[start:start + n]
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    if amax <= 0 or not torch.isfinite(amax):
+        return torch.ones((), device=amax.device)
+    return torch.exp2(FP16_SCALE_TARGET - torch.floor(torch.log2(amax)))
+
+
+def _world_handle(ps) -> GroupHandle:
+    if ps.world_size == 1 or not dist.is_initialized():
+        return GroupHandle.solo(ps.rank, ps.comm)
+    return GroupHandle(group=dist.group.WORLD, ranks=tuple(range(ps.world_size)), rank=ps.rank, counters=ps.comm)

@@ -1,0 +1,134 @@
+"""Storage formats ("codecs") for the optimizer's per-element state: fp32, bf16, and FP8 E4M3 with
+COAT-style dynamic range expansion in 128-element groups. A codec stores a flat shard and decodes /
+encodes one 128-aligned chunk at a time, so the step never holds a full-precision copy of the state.
+
+FP8 codec (COAT, Xi et al. 2024, "dynamic range expansion"): Adam's moments span far more binades
+inside a group than E4M3 can hold with one scale (448 / 2^-6 = 2^14.8 between the largest value and
+the smallest normal), and the second moment is the worst. Per 128-element group we store the group's
+max |x| (``amax``) and an exponent ``k`` chosen so that the group's range ``amax / amin`` (``amin`` =
+smallest nonzero |x|) maps exactly onto E4M3's normal range::
+
+    k      = min(log(448 / 2^-6) / log(amax / amin), K_MAX)      (K_MAX when all nonzero |x| are equal)
+    code   = e4m3( sign(x) * (|x| / amax)^k * 448 )               every nonzero |x| lands in [2^-6, 448]
+    decode = sign(code) * amax * (|code| / 448)^(1 / k)
+
+E4M3 round-to-nearest has relative error at most 2^-4 on that range, so the round trip's relative
+error per nonzero element is at most ``max((17/16)^(1/k) - 1, 1 - (15/16)^(1/k))`` (k > 1 shrinks
+it, a group spanning more than 2^14.8 pays for its range with k < 1); zeros stay exactly zero.
+Overhead: amax and k as fp32 per 128 elements, 1.0625 bytes per element in all.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+GROUP = 128
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0 ** -6
+LOG_E4M3_RANGE = math.log(E4M3_MAX / E4M3_MIN_NORMAL)
+K_MAX = 16.0
+
+STATE_DTYPES = ("fp32", "bf16", "fp8")
+
+
+class StateCodec:
+    """A flat fp32-valued shard of ``numel`` elements (a multiple of GROUP) in some storage format."""
+
+    name = ""
+
+    def __init__(self, numel: int, device: torch.device | str | None = None) -> None:
+        if numel % GROUP:
+            raise ValueError(f"codec shards hold whole {GROUP}-element groups, got {numel} elements")
+        self.numel = numel
+
+    def decode(self, start: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, start: int, end: int, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Storage by name: per-element tensors have ``numel`` entries, per-group ones ``numel / GROUP``."""
+        raise NotImplementedError
+
+
+class PlainCodec(StateCodec):
+    """fp32 (exact) or bf16 (round to nearest) storage."""
+
+    def __init__(self, numel: int, device=None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(numel, device)
+        self.name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        self.values = torch.zeros(numel, dtype=dtype, device=device)
+
+    def decode(self, start: int, end: int) -> torch.Tensor:
+        return self.values[start:end].float()
+
+    def encode(self, start: int, end: int, values: torch.Tensor) -> None:
+        self.values[start:end].copy_(values)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values}
+
+
+class Fp8ExpandCodec(StateCodec):
+    """E4M3 codes with per-group amax and expansion exponent k (see the module docstring)."""
+
+    name = "fp8"
+
+    def __init__(self, numel: int, device=None) -> None:
+        super().__init__(numel, device)
+        self.codes = torch.zeros(numel, dtype=torch.float8_e4m3fn, device=device)
+        self.amax = torch.zeros(numel // GROUP, dtype=torch.float32, device=device)
+        self.k = torch.ones(numel // GROUP, dtype=torch.float32, device=device)
+
+    def decode(self, start: int, end: int) -> torch.Tensor:
+        groups, n = _grouped(start, end)
+        y = _padded(self.codes[start:end].float(), n).view(-1, GROUP)
+        amax, k = self.amax[groups].unsqueeze(1), self.k[groups].unsqueeze(1)
+        a = amax * (y.abs() / E4M3_MAX).pow(1.0 / k)
+        return (torch.sign(y) * a).reshape(-1)[: end - start]
+
+    def encode(self, start: int, end: int, values: torch.Tensor) -> None:
+        groups, n = _grouped(start, end)
+        x = _padded(values.float(), n).view(-1, GROUP)
+        a = x.abs()
+        amax = a.amax(dim=1)
+        amin = torch.where(a > 0, a, torch.full_like(a, math.inf)).amin(dim=1)
+        log_ratio = torch.log(amax / amin)
+        k = torch.where(log_ratio > 0, LOG_E4M3_RANGE / log_ratio, torch.full_like(amax, K_MAX)).clamp(max=K_MAX)
+        k = torch.where(amax > 0, k, torch.ones_like(k))
+        safe_amax = torch.where(amax > 0, amax, torch.ones_like(amax)).unsqueeze(1)
+        y = torch.sign(x) * (a / safe_amax).pow(k.unsqueeze(1)) * E4M3_MAX
+        self.codes[start:end].copy_(y.reshape(-1)[: end - start].clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+        self.amax[groups].copy_(amax)
+        self.k[groups].copy_(k)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "amax": self.amax, "k": self.k}
+
+
+def _grouped(start: int, end: int) -> tuple[slice, int]:
+    if start % GROUP:
+        raise ValueError(f"codec chunks start on a {GROUP}-element group boundary, got {start}")
+    return slice(start // GROUP, -(-end // GROUP)), -(-(end - start) // GROUP) * GROUP
+
+
+def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.numel() == n else torch.nn.functional.pad(x, (0, n - x.numel()))
+
+
+def fp8_round_trip_bound(k: torch.Tensor) -> torch.Tensor:
+    """The per-element relative error bound of Fp8ExpandCodec for a group with exponent ``k``."""
+    return torch.maximum((17 / 16) ** (1 / k) - 1, 1 - (15 / 16) ** (1 / k))
+
+
+def make_state_codec(state_dtype: str, numel: int, device=None) -> StateCodec:
+    """--optimizer-state-dtype fp32|bf16|fp8."""
+    if state_dtype == "fp32":
+        return PlainCodec(numel, device, torch.float32)
+    if state_dtype == "bf16":
+        return PlainCodec(numel, device, torch.bfloat16)
+    if state_dtype == "fp8":
+        return Fp8ExpandCodec(numel, device)
+    raise ValueError(f"--optimizer-state-dtype must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")

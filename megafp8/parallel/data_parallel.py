@@ -1,0 +1,378 @@
+"""Data parallelism: one contiguous main-grad buffer split into buckets, each reduced over DP as soon as
+its grads are complete (reduce-scatter for the distributed optimizer, all-reduce for plain DDP), and
+the bucketed parameter all-gather that follows a ZeRO step (high precision, or FP8 bytes).
+
+Layout (Megatron-Core's ``ParamAndGradBuffer``): parameters are laid out in reverse registration order
+(the order backward finishes them) in one flat buffer per parameter dtype. Every parameter starts on a
+128-element boundary and every bucket is padded to a multiple of ``DP x 128`` elements, so the DP
+shards of a bucket (rank r owns elements ``[r S, (r+1) S)``, ``S = numel / DP``) never cut a
+128-element group of a parameter: the optimizer's per-group codec scales then stay whole, and a
+checkpoint written at one DP size re-slices exactly at another. ``param.main_grad`` is a view into
+the buffer; parameter values live in per-bucket buffers (``param.data`` is a view), so a gather
+writes straight into the parameters.
+
+Extra reductions of replicated parameters happen once, when their bucket is reduced: grads of
+``sequence_parallel`` parameters (norm weights, row-parallel biases under SP) are summed over TP,
+grads of ``shared_embedding`` parameters (a tied output head on another pipeline stage, and the
+embedding it is tied to) over the embedding group. Do not also call
+``tensor_parallel.allreduce_sequence_parallel_grads``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe
+from megafp8.parallel import collectives as C
+from megafp8.parallel.collectives import GroupHandle
+from megafp8.parallel.parallel_state import ParallelState
+
+ALIGN = 128  # elements; also the optimizer's codec group size
+
+
+@dataclass
+class DDPConfig:
+    """The data-parallel flags (Megatron names): --use-distributed-optimizer, --overlap-grad-reduce,
+    --overlap-param-gather, --fp8-param-gather, --grad-reduce-in-bf16, --ddp-bucket-size (elements;
+    None = one bucket per kind of parameter). ``fp8_recipe``: the run's recipe, for FP8 layers that
+    follow fp8_autocast instead of holding their own."""
+
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    fp8_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False
+    bucket_size: int | None = None
+    fp8_recipe: Fp8Recipe | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.bucket_size}")
+        if self.fp8_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (the owner of a shard casts it)")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+
+    @classmethod
+    def from_args(cls, args, fp8_recipe: Fp8Recipe | None = None) -> "DDPConfig":
+        return cls(use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+                   overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+                   overlap_param_gather=getattr(args, "overlap_param_gather", False),
+                   fp8_param_gather=getattr(args, "fp8_param_gather", False),
+                   grad_reduce_in_bf16=getattr(args, "grad_reduce_in_bf16", False),
+                   bucket_size=getattr(args, "ddp_bucket_size", None), fp8_recipe=fp8_recipe)
+
+
+@dataclass(eq=False)
+class Fp8ParamInfo:
+    """How an FP8 layer's weight is cast and handed over after the gather."""
+
+    module: Fp8GemmModule
+    recipe: Fp8Recipe
+    scale_inv: torch.Tensor | None = None  # written by the optimizer; identical on every DP rank
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A contiguous range ``[offset, offset + numel)`` of the grad buffer and its parameters."""
+
+    index: int
+    params: list[nn.Parameter]
+    offset: int
+    numel: int
+    ranges: dict[nn.Parameter, tuple[int, int]]  # param -> [start, end) relative to the bucket
+    grad_data: torch.Tensor
+    param_data: torch.Tensor | None  # high-precision values (None for a released FP8 bucket)
+    fp8: bool = False                # weights of FP8 layers, gathered as FP8 bytes
+    fp8_data: torch.Tensor | None = None  # uint8, the gathered FP8 bytes (FP8 buckets)
+    ready: set = field(default_factory=set)
+    grad_work: object = None
+    grad_shard_out: torch.Tensor | None = None
+    param_work: object = None
+    param_sync_pending: bool = False
+
+    def shard_range(self, dp_rank: int, dp_size: int, distributed: bool) -> tuple[int, int]:
+        """The part of this bucket the given DP rank owns (all of it without the distributed optimizer)."""
+        if not distributed:
+            return 0, self.numel
+        size = self.numel // dp_size
+        return dp_rank * size, (dp_rank + 1) * size
+
+
+def _align(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.Parameter, Fp8ParamInfo]:
+    infos = {}
+    for m in module.modules():
+        if isinstance(m, Fp8GemmModule) and isinstance(getattr(m, "weight", None), nn.Parameter):
+            recipe = m.recipe or default_recipe
+            if recipe is not None and not m.runs_high_precision:
+                infos[m.weight] = Fp8ParamInfo(m, recipe)
+    return infos
+
+
+def _start_async(kind: str, handle: GroupHandle, nbytes: int, fn, *args, **kwargs):
+    """Issue a counted asynchronous collective (the counting convention of megafp8.parallel.collectives)."""
+    handle.counters.add(kind, nbytes)
+    return fn(*args, group=handle.group, async_op=True, **kwargs)
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps a model: forward passes through; owns the grad buffer, buckets and their DP reductions.
+
+    Per iteration: ``zero_grad_buffer()``, forward/backward of every micro-batch (all but the last
+    inside ``no_sync()`` when overlapping), ``finish_grad_sync()``, the optimizer step (which calls
+    ``start_param_sync()`` under the distributed optimizer).
+    """
+
+    def __init__(self, module: nn.Module, parallel_state: ParallelState, config: DDPConfig | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config or DDPConfig()
+        self.parallel_state = parallel_state
+        self.dp: GroupHandle = parallel_state.dp_group
+        self.tp: GroupHandle = parallel_state.tp_group
+        self.distributed = self.config.use_distributed_optimizer
+        self.param_names = {p: n for n, p in module.named_parameters()}
+        self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
+        grad_dtype = torch.bfloat16 if self.config.grad_reduce_in_bf16 else torch.float32
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets: list[Bucket] = []
+        self.grad_buffers: list[torch.Tensor] = []
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            self._build_buffer([p for p in params if p.dtype == dtype], grad_dtype)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._sync_enabled = True
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._make_grad_hook())
+        self._hook_handles = []
+        if self.config.overlap_param_gather:
+            for m in module.modules():
+                if any(True for _ in m.parameters(recurse=False)):
+                    self._hook_handles.append(m.register_forward_pre_hook(self._param_sync_pre_hook))
+
+    # ---- layout -------------------------------------------------------------------------------
+    def _build_buffer(self, params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
+        groups: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        current_numel = 0
+        for p in reversed(params):  # backward finishes the last layers first
+            if current and ((p in self.fp8_params) != (current[0] in self.fp8_params) or (
+                    self.config.bucket_size is not None and current_numel >= self.config.bucket_size)):
+                groups.append(current)
+                current, current_numel = [], 0
+            current.append(p)
+            current_numel += _align(p.numel(), ALIGN)
+        if current:
+            groups.append(current)
+        layouts, offset = [], 0
+        for group in groups:
+            ranges, cursor = {}, 0
+            for p in group:
+                ranges[p] = (cursor, cursor + p.numel())
+                cursor = _align(cursor + p.numel(), ALIGN)
+            numel = _align(cursor, ALIGN * self.dp.size)
+            layouts.append((group, offset, numel, ranges))
+            offset += numel
+        grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=params[0].device)
+        self.grad_buffers.append(grad_buffer)
+        for group, offset, numel, ranges in layouts:
+            param_data = torch.zeros(numel, dtype=group[0].dtype, device=grad_buffer.device)
+            bucket = Bucket(len(self.buckets), group, offset, numel, ranges, grad_buffer[offset:offset + numel],
+                            param_data, fp8=group[0] in self.fp8_params)
+            for p, (start, end) in ranges.items():
+                param_data[start:end].copy_(p.detach().reshape(-1))
+                p.data = param_data[start:end].view(p.shape)
+                p.main_grad = bucket.grad_data[start:end].view(p.shape)
+            self.buckets.append(bucket)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def _make_grad_hook(self):
+        def hook(param: nn.Parameter) -> None:
+            if param.grad is not None:  # grads the FP8 op did not accumulate into main_grad itself
+                param.main_grad.add_(param.grad.to(param.main_grad.dtype))
+                param.grad = None
+            if self.config.overlap_grad_reduce and self._sync_enabled:
+                bucket = self.bucket_of[param]
+                bucket.ready.add(param)
+                if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None:
+                    self._start_grad_reduce(bucket)
+        return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads without reducing them (every micro-batch but the last)."""
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def zero_grad_buffer(self) -> None:
+        for grad_buffer in self.grad_buffers:
+            grad_buffer.zero_()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.grad_work = bucket.grad_shard_out = None
+        for p in self.bucket_of:
+            p.grad = None
+
+    def _replicated_reductions(self, bucket: Bucket) -> None:
+        """Sums that make replicated parameters' grads whole, once per bucket, before the DP reduction."""
+        sp = [p.main_grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
+        if sp and self.tp.size > 1:
+            flat = torch.cat([g.reshape(-1) for g in sp])
+            C.all_reduce(flat, self.tp, "tp_allreduce")
+            for g, reduced in zip(sp, flat.split([g.numel() for g in sp])):
+                g.copy_(reduced.view_as(g))
+        for p in bucket.params:
+            if getattr(p, "shared_embedding", False):
+                embedding = self.parallel_state.embedding_group
+                if embedding.size > 1:
+                    C.all_reduce(p.main_grad, embedding, "embedding_allreduce")
+
+    def _start_grad_reduce(self, bucket: Bucket) -> None:
+        self._replicated_reductions(bucket)
+        if self.dp.size == 1:
+            bucket.grad_work = True
+            return
+        bucket.grad_data.div_(self.dp.size)  # average over DP (sum of per-replica mean losses / DP)
+        nbytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
+        if self.distributed:
+            size = bucket.numel // self.dp.size
+            bucket.grad_shard_out = torch.empty(size, dtype=bucket.grad_data.dtype, device=bucket.grad_data.device)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            bucket.grad_work = _start_async("dp_grad_reduce", self.dp, nbytes // self.dp.size * (self.dp.size - 1),
+                                            reduce_scatter, bucket.grad_shard_out, bucket.grad_data)
+        else:
+            bucket.grad_work = _start_async("dp_grad_reduce", self.dp, 2 * nbytes * (self.dp.size - 1) // self.dp.size,
+                                            dist.all_reduce, bucket.grad_data)
+
+    def finish_grad_sync(self) -> None:
+        """Start the reductions backward did not start, wait for all: afterwards each rank's owned
+        range of every bucket holds the DP-averaged grad (all of it without the distributed optimizer)."""
+        for bucket in self.buckets:
+            if bucket.grad_work is None:
+                self._start_grad_reduce(bucket)
+        for bucket in self.buckets:
+            if bucket.grad_work is not True:
+                bucket.grad_work.wait()
+            if bucket.grad_shard_out is not None:
+                start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
+                bucket.grad_data[start:end].copy_(bucket.grad_shard_out)
+                bucket.grad_shard_out = None
+            bucket.grad_work = True
+
+    # ---- parameters ---------------------------------------------------------------------------
+    def release_fp8_param_storage(self) -> None:
+        """Drop the high-precision values of FP8 layers' weights (the optimizer holds their master):
+        the Parameter stays the autograd leaf (its grad goes to main_grad) but holds one element."""
+        for bucket in self.buckets:
+            if bucket.fp8 and bucket.param_data is not None:
+                bucket.fp8_data = torch.zeros(bucket.numel, dtype=torch.uint8, device=bucket.grad_data.device)
+                for p in bucket.params:
+                    p.data = torch.zeros(1, dtype=p.dtype, device=p.device).expand(p.shape)
+                bucket.param_data = None
+
+    def start_param_sync(self) -> None:
+        """After the optimizer wrote each rank's owned shard: all-gather every bucket now, or (with
+        --overlap-param-gather) on demand in the next forward, one bucket ahead."""
+        if not self.distributed:
+            self._inject_fp8_weights_all()
+            return
+        for bucket in self.buckets:
+            bucket.param_sync_pending = True
+        if not self.config.overlap_param_gather:
+            self.finish_param_sync()
+
+    def _gather_source(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.fp8_data if bucket.fp8_data is not None else bucket.param_data
+
+    def _start_param_gather(self, bucket: Bucket) -> None:
+        if not bucket.param_sync_pending or bucket.param_work is not None:
+            return
+        data = self._gather_source(bucket)
+        if self.dp.size == 1:
+            bucket.param_work = True
+            return
+        start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
+        shard = data[start:end].clone()  # the gather's output holds the input: do not alias them
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        bucket.param_work = _start_async("dp_param_allgather", self.dp, shard.numel() * shard.element_size()
+                                         * (self.dp.size - 1), all_gather, data, shard)
+
+    def _finish_param_gather(self, bucket: Bucket) -> None:
+        if not bucket.param_sync_pending:
+            return
+        self._start_param_gather(bucket)
+        if bucket.param_work is not True:
+            bucket.param_work.wait()
+        bucket.param_work, bucket.param_sync_pending = None, False
+        if bucket.fp8:
+            self._inject_fp8_weights(bucket)
+
+    def finish_param_sync(self) -> None:
+        for bucket in self.buckets:
+            self._start_param_gather(bucket)
+        for bucket in self.buckets:
+            self._finish_param_gather(bucket)
+
+    def _param_sync_pre_hook(self, module: nn.Module, _args) -> None:
+        for p in module.parameters(recurse=False):
+            bucket = self.bucket_of.get(p)
+            if bucket is None or not bucket.param_sync_pending:
+                continue
+            # Forward runs the buckets backwards (bucket 0 holds the last layers): prefetch the next one.
+            if bucket.index > 0:
+                self._start_param_gather(self.buckets[bucket.index - 1])
+            self._finish_param_gather(bucket)
+
+    def _inject_fp8_weights(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            info = self.fp8_params[p]
+            start, end = bucket.ranges[p]
+            fp8_dtype = info.recipe.dtype("weight")
+            data = bucket.fp8_data[start:end].view(fp8_dtype).view(p.shape)
+            info.module.set_fp8_weight(Float8Tensor(tuple(p.shape), fp8_dtype, info.recipe.granularity("weight"),
+                                                    data, info.scale_inv))
+
+    def _inject_fp8_weights_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket.fp8 and bucket.fp8_data is not None:
+                self._inject_fp8_weights(bucket)
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of model weights and grads this rank holds (for model_state_bytes_per_param)."""
+        tensors = list(self.grad_buffers)
+        for bucket in self.buckets:
+            tensors += [t for t in (bucket.param_data, bucket.fp8_data) if t is not None]
+        tensors += [info.scale_inv for info in self.fp8_params.values() if info.scale_inv is not None]
+        return tensors
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.bucket_of)
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of distinct storages behind ``tensors`` (views of one buffer are counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
