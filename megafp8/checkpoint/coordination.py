@@ -1,0 +1,57 @@
+"""Collective agreement for checkpoint steps: every rank runs a step, then all learn whether any failed,
+so one rank's error becomes the same clear error everywhere instead of peers waiting forever."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from megafp8.checkpoint.errors import CheckpointError
+
+T = TypeVar("T")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without an initialized process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def run_agreed(step: Callable[[], T], what: str) -> T:
+    """Run ``step`` on this rank, then raise a CheckpointError on every rank if it failed on any.
+
+    A CheckpointError keeps its message; any other exception is summarized in one line."""
+    result, error = None, None
+    try:
+        result = step()
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - reported collectively below, with its type and message
+        error = f"{what}: {type(e).__name__}: {e}"
+    errors = all_gather_object(error)
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if failed:
+        unique = list(dict.fromkeys(message for _, message in failed))
+        ranks = [rank for rank, _ in failed]
+        prefix = f"(rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) " if world()[1] > 1 else ""
+        raise CheckpointError(prefix + "\n".join(unique))
+    return result  # type: ignore[return-value]

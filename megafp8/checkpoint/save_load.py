@@ -1,0 +1,253 @@
+"""save_checkpoint / load_checkpoint: what the training loop calls, on every rank, at any layout.
+
+One checkpoint holds the model (layout-free names, TP shards at global offsets), the optimizer state
+(an opaque nested dict whose sharded tensors are ``ShardedChunks``), every RNG state (per rank), the
+FP8 saturation guard's switches, the data position, the flags, and any replicated extra state (LR
+schedule, counters). It is written with torch.distributed.checkpoint into a temporary directory,
+checksummed, fsynced, committed by rename, and only then named in ``latest_checkpointed_iteration.txt``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import uuid
+import warnings
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from megafp8.checkpoint import atomic
+from megafp8.checkpoint.args_check import args_to_dict, check_args
+from megafp8.checkpoint.coordination import all_gather_object, broadcast_object, run_agreed, world
+from megafp8.checkpoint.errors import CheckpointError
+from megafp8.checkpoint.manifest import check_file, digest_file, read_manifest, write_manifest
+from megafp8.checkpoint.model_state import model_checkpoint_state, zero_vocab_padding_
+from megafp8.checkpoint.rng import capture_rng_state, restore_rng_state
+from megafp8.checkpoint.sharded_tensor import ShardedLoadPlanner, ShardedSavePlanner
+from megafp8.parallel.parallel_state import ParallelState
+
+Models = nn.Module | Sequence[nn.Module]
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` restored. ``iteration`` and ``consumed_samples`` are 0 under finetune."""
+
+    path: Path
+    iteration: int
+    consumed_samples: int
+    saved_args: dict[str, Any]
+    saved_layout: dict[str, int]
+    extra: dict[str, Any] = field(default_factory=dict)
+    optimizer_loaded: bool = False
+    rng_restored: bool = False
+    messages: list[str] = field(default_factory=list)  # for the log (e.g. why RNG states were not restored)
+
+
+def _layout(ps: ParallelState) -> dict[str, int]:
+    return {"tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
+            "data_parallel_size": ps.dp_size, "world_size": ps.world_size}
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    # Our own pickles (RNG tuples, numpy state, python objects): DCP loads its byte items the same way.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes a single process when torch.distributed is not initialized: intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank_key(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def _summarize(error: BaseException) -> str:
+    """One line per failing rank from DCP's CheckpointException (whose str is every rank's traceback)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        lines = []
+        for rank, failure in sorted(failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            lines.append(f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        return "; ".join(dict.fromkeys(lines))
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, parallel_state: ParallelState,
+                    optimizer_state: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                    args: argparse.Namespace | Mapping[str, Any] | None = None, consumed_samples: int = 0,
+                    rng_tracker: Any | None = None, saturation_guard: Any | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Write ``<save_dir>/iter_{iteration:07d}`` atomically and point the tracker at it. Call on every rank.
+
+    ``optimizer_state``: nested dict; ``ShardedChunks`` leaves are sharded (global offsets), plain tensors
+    and python values replicated (saved once). ``extra``: replicated python state (identical on every
+    rank). ``keep_last``: afterwards delete all but the newest N committed checkpoints.
+    Returns the committed directory. Raises CheckpointError (on every rank) if any rank fails."""
+    if iteration < 0:
+        raise CheckpointError(f"save_checkpoint: iteration must be >= 0, got {iteration}")
+    root = Path(save_dir)
+    rank, size = world()
+    token = broadcast_object(uuid.uuid4().hex if rank == 0 else None)  # one temporary directory for all ranks
+    tmp, final = atomic.temporary_dir(root, iteration, token), atomic.iteration_dir(root, iteration)
+
+    def prepare() -> dict[str, Any]:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            atomic.remove_stale_temporaries(root)
+            tmp.mkdir()
+        state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state),
+                                 "rng": {_rank_key(rank): _to_bytes(capture_rng_state(rng_tracker))},
+                                 "extra": _to_bytes(dict(extra or {}))}
+        if optimizer_state is not None:
+            state["optimizer"] = optimizer_state
+        if saturation_guard is not None:
+            state["fp8_guard"] = {_rank_key(rank): _to_bytes(saturation_guard.state_dict())}
+        return state
+
+    state = run_agreed(prepare, f"preparing checkpoint {final}")
+    try:
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=ShardedSavePlanner(),
+                     no_dist=size == 1)
+    except Exception as e:  # DCP raises the same CheckpointException on every rank
+        raise CheckpointError(f"writing checkpoint {final} failed: {_summarize(e)}") from None
+
+    def digest_share() -> dict[str, dict[str, Any]]:
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        return {name: digest_file(tmp / name) for name in names[rank::size]}
+
+    digests = all_gather_object(run_agreed(digest_share, f"checksumming {tmp}"))
+
+    def commit() -> None:
+        if rank != 0:
+            return
+        files = {name: entry for share in digests for name, entry in share.items()}
+        write_manifest(tmp, {"iteration": iteration, "consumed_samples": consumed_samples,
+                             "layout": _layout(parallel_state), "args": args_to_dict(args), "files": files,
+                             "contents": sorted(state), "torch_version": torch.__version__})
+        atomic.commit_directory(tmp, final)
+        atomic.write_text_atomic(root / atomic.TRACKER_FILE, f"{iteration}\n")
+        if keep_last is not None:
+            atomic.prune_checkpoints(root, keep_last, protect=iteration)
+
+    run_agreed(commit, f"committing checkpoint {final}")
+    return final
+
+
+def _resolve_iteration(root: Path, iteration: int | None) -> int | None:
+    if iteration is not None:
+        return iteration
+    return atomic.read_tracker(root)
+
+
+def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: ParallelState,
+                    optimizer_state: Mapping[str, Any] | None = None, rng_tracker: Any | None = None,
+                    saturation_guard: Any | None = None, args: argparse.Namespace | Mapping[str, Any] | None = None,
+                    iteration: int | None = None, finetune: bool = False, no_load_optim: bool = False,
+                    no_load_rng: bool = False, allow_changed_args: Collection[str] = (),
+                    verify: bool = True) -> LoadedCheckpoint | None:
+    """Load the checkpoint the tracker names (or ``iteration``) into the live model / optimizer state, at
+    this run's layout (TP/PP/DP may differ from the saved one). Call on every rank.
+
+    Returns None when ``load_dir`` holds no tracker file (Megatron: start from scratch). ``optimizer_state``
+    is a template built like the saved one at this layout; its tensors are filled in place and its python
+    leaves replaced (read them back from the same dict). ``finetune``: weights only, iteration 0.
+    ``verify``: check every file's SHA-256 (sizes are always checked). Raises CheckpointError."""
+    root = Path(load_dir)
+    rank, size = world()
+    found = broadcast_object(run_agreed(lambda: _resolve_iteration(root, iteration) if rank == 0 else None,
+                                        f"reading {root / atomic.TRACKER_FILE}"))
+    if found is None:
+        return None
+    path = atomic.iteration_dir(root, found)
+    manifest = run_agreed(lambda: read_manifest(path), f"reading {path}")
+
+    def verify_share() -> None:
+        names = sorted(manifest["files"])
+        problems = [p for name in names[rank::size]
+                    if (p := check_file(path, name, manifest["files"][name], hash_contents=verify))]
+        if problems:
+            raise CheckpointError("checkpoint is damaged; resume from an older one by writing its iteration into "
+                                  f"{root / atomic.TRACKER_FILE}:\n  " + "\n  ".join(problems))
+
+    run_agreed(verify_share, f"verifying {path}")
+    saved_layout, saved_args, contents = manifest["layout"], manifest.get("args", {}), set(manifest["contents"])
+    load_optim = optimizer_state is not None and not (finetune or no_load_optim)
+    same_layout = saved_layout == _layout(parallel_state)
+    load_rng = not (finetune or no_load_rng) and same_layout
+    messages = []
+    if not (finetune or no_load_rng) and not same_layout:
+        messages.append(f"RNG states not restored: saved at {saved_layout}, loading at {_layout(parallel_state)} "
+                        "(per-rank streams do not map across layouts)")
+
+    def plan() -> dict[str, Any]:
+        if args is not None and saved_args:
+            check_args(saved_args, args_to_dict(args), finetune=finetune, allow_changed=allow_changed_args,
+                       checkpoint=str(path))
+        if load_optim and "optimizer" not in contents:
+            raise CheckpointError(f"{path} has no optimizer state; start from its weights with --finetune, "
+                                  "or skip the optimizer with --no-load-optim")
+        state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state, params_only=finetune)}
+        if load_optim:
+            state["optimizer"] = optimizer_state
+        if load_rng:
+            state["rng"] = {_rank_key(rank): b""}
+        if not finetune:
+            state["extra"] = b""
+            if saturation_guard is not None and "fp8_guard" in contents:
+                state["fp8_guard"] = {_rank_key(r): b"" for r in range(saved_layout["world_size"])}
+        return state
+
+    state = run_agreed(plan, f"loading {path}")
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardedLoadPlanner(),
+                     no_dist=size == 1)
+    except Exception as e:
+        raise CheckpointError(f"loading checkpoint {path} failed: {_summarize(e)}") from None
+
+    def restore() -> LoadedCheckpoint:
+        zero_vocab_padding_(model, parallel_state)
+        if load_rng:
+            restore_rng_state(_from_bytes(state["rng"][_rank_key(rank)]), rng_tracker)
+        if "fp8_guard" in state:
+            _restore_guard(saturation_guard, [_from_bytes(b) for b in state["fp8_guard"].values()], model)
+        return LoadedCheckpoint(
+            path=path, iteration=0 if finetune else manifest["iteration"],
+            consumed_samples=0 if finetune else manifest.get("consumed_samples", 0), saved_args=saved_args,
+            saved_layout=saved_layout, extra={} if finetune else _from_bytes(state["extra"]),
+            optimizer_loaded=load_optim, rng_restored=load_rng, messages=messages)
+
+    return run_agreed(restore, f"restoring state from {path}")
+
+
+def _restore_guard(guard: Any, rank_states: list[dict], model: Models) -> None:
+    """Merge every saved rank's guard state (each holds its own pipeline stage's layers, under global
+    names) and keep the switches of the layers this rank's model chunks hold."""
+    strikes: dict[str, int] = {}
+    switched: set[str] = set()
+    for state in rank_states:
+        strikes.update(state.get("strikes", {}))
+        switched.update(state.get("switched", []))
+    for chunk in [model] if isinstance(model, nn.Module) else list(model):
+        names = {name for name, _ in chunk.named_modules()}
+        guard.load_state_dict({"strikes": strikes, "switched": sorted(switched & names)}, chunk)
