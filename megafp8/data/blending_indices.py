@@ -5,8 +5,8 @@ Megatron interleaves datasets greedily: sample n goes to the dataset whose error
 choice at each step depends on every earlier one and floating-point ties decide often (0.3 * 10 rounds
 to exactly 3), so no sort or closed form reproduces it: it is a sequential loop. That loop runs as a
 tiny C function compiled on first use with the system C compiler (cached by source hash, loaded with
-ctypes; about 1 s per 10^8 samples), and as plain Python where no compiler exists (about 10^6 samples
-per second, with a warning). Both are tested against Megatron-Core's own C++.
+ctypes; as fast as Megatron's C++), and as plain Python where no compiler exists (a few hundred
+thousand samples per second, with a warning). Both are tested against Megatron-Core's own C++.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def _load_library() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as exc:
         _compile_failed = True
         warnings.warn(f"could not build the compiled blending helper ({exc}); blending indices are built in "
-                      "pure Python (about 10^6 samples per second; they are cached afterwards)")
+                      "pure Python (a few hundred thousand samples per second; they are cached afterwards)")
         return None
     pointer = np.ctypeslib.ndpointer
     library.greedy_blend.argtypes = [pointer(np.float64, flags="C"), ctypes.c_int32, ctypes.c_int64,
