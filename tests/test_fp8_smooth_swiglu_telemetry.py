@@ -15,6 +15,7 @@ from megafp8.fp8 import (
     SaturationGuard,
     collect_fp8_telemetry,
     enable_fp8_telemetry,
+    invalidate_fp8_weight_caches,
     smooth_swiglu_channel_scales,
     swiglu,
 )
@@ -82,7 +83,7 @@ def test_smooth_swiglu_improves_fc2_input_quantization(scaling):
     exact = h.double() @ plain_fc2.weight.detach().double().t() + plain_fc2.bias.detach().double()
     if scaling == "delayed":
         plain_fc2(h), smooth_fc2(h, input_channel_scale=s)
-        Fp8ScalingManager(plain_fc2).update(), Fp8ScalingManager(smooth_fc2).update()
+        Fp8ScalingManager(plain_fc2, None).update(), Fp8ScalingManager(smooth_fc2, None).update()
     with torch.no_grad():
         plain_db, smooth_db = sqnr_db(plain_fc2(h), exact), sqnr_db(smooth_fc2(h, input_channel_scale=s), exact)
     assert smooth_db >= 25.0 and smooth_db >= plain_db - 2.5, (plain_db, smooth_db)
@@ -90,8 +91,12 @@ def test_smooth_swiglu_improves_fc2_input_quantization(scaling):
 
 def test_telemetry_reports_saturation_and_flush_and_guard_switches_layer():
     layer = Fp8Linear(64, 32, recipe=Fp8Recipe.delayed(amax_history_len=1))
+    # One step with input amax 448 sets the delayed input scale to 448 / 448 = 1 (a cold layer would use
+    # current scaling); then inputs beyond 448 saturate, inputs below E4M3's smallest subnormal flush.
+    layer(torch.full((16, 64), 448.0)).sum().backward()
+    Fp8ScalingManager(layer, None).update()
+    invalidate_fp8_weight_caches(layer)  # as the optimizer step does
     enable_fp8_telemetry(layer)
-    # Delayed scale starts at 1: inputs beyond 448 saturate, inputs below E4M3's smallest subnormal flush.
     x = torch.ones(16, 64)
     x[:, :8] = 1000.0  # 1/8 of the elements saturate
     x[:, 8:12] = 1e-4  # 1/16 flush to zero (E4M3 subnormals stop at 2**-9)
@@ -178,6 +183,8 @@ def test_smooth_swiglu_scales_stay_finite_for_near_zero_channels():
 def test_delayed_scaling_does_not_hide_an_inf():
     """An inf in the input of a delayed-scaling layer must reach the output as NaN, not as FP8_MAX."""
     layer = Fp8Linear(8, 4, recipe=Fp8Recipe.delayed(amax_history_len=2))
+    layer(torch.ones(2, 8))  # one step so the layer runs on its delayed scale (a cold one scales currently)
+    Fp8ScalingManager(layer, None).update()
     x = torch.ones(2, 8)
     x[0, 3] = float("inf")
     y = layer(x)
@@ -189,3 +196,32 @@ def test_scaling_state_stays_fp32_under_model_casts():
     assert layer.weight.dtype == torch.bfloat16
     assert all(b.dtype == torch.float32 for n, b in layer.named_buffers() if "fp8_scaling" in n)
     layer(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()  # runs, scales usable
+
+
+@pytest.mark.parametrize("gran", list(Granularity), ids=lambda g: g.value)
+def test_chunked_telemetry_pass_equals_the_whole_tensor_formula(gran, monkeypatch):
+    """The statistics pass runs over bounded row chunks (no activation-sized fp32 temporaries); with chunks
+    forced small (ragged last chunk, 128-row blocks kept whole) it counts exactly what the whole-tensor
+    fp32 formula counts, for a bf16 input with saturating, flushing and zero elements."""
+    from megafp8.fp8 import telemetry
+    from megafp8_kernels import expand_scale
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 260, generator=g) * 2.0 ** torch.randint(-20, 12, (300, 260), generator=g)).bfloat16()
+    x[::7, ::5] = 0.0
+    scale = torch.tensor(0.5)  # a delayed-style scale too small for the outliers: some clip, some flush
+    q = quantize(x.float(), torch.float8_e4m3fn, gran, scale=scale if gran is Granularity.TENSORWISE else None)
+    fp8 = Float8Tensor.from_quantized(q, gran)
+    monkeypatch.setattr(telemetry, "TELEMETRY_CHUNK_ELEMENTS", 260 * 50)
+    layer = Fp8Linear(260, 4)
+    telemetry.record_fp8_stats(layer, "input", x, fp8, q.amax)
+    stats = layer.fp8_telemetry["input"]
+
+    x32 = x.float()
+    clip = telemetry.saturation_threshold(torch.float8_e4m3fn) * expand_scale(fp8.scale_inv.float(), 300, 260, gran)
+    saturated = (x32.abs() > clip).double().mean().item()
+    flushed = ((x32 != 0) & (fp8.data.float() == 0)).double().mean().item()
+    assert stats["saturated"].item() == pytest.approx(saturated, rel=1e-6)
+    assert stats["flushed_to_zero"].item() == pytest.approx(flushed, rel=1e-6) and flushed > 0
+    if gran is Granularity.TENSORWISE:
+        assert saturated > 0

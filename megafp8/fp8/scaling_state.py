@@ -1,19 +1,34 @@
-"""Delayed-scaling state: per-role amax histories and scales, updated once per step with ONE all-reduce.
+"""Delayed-scaling state: per-role amax histories and scales, updated once per step with ONE all-reduce and a
+fixed handful of device ops, whatever the layer count.
 
 Each FP8 tensor role of each layer (input, weight, grad_output) owns a ScalingState: its scale is used
 for every micro-batch of the step, and the amaxes those micro-batches observe are folded into
-`pending_amax`. At the end of the step Fp8ScalingManager.update() stacks every pending amax of the
-model into one tensor, max-reduces it over the TP x DP group in a single collective (so all ranks end
-with identical scales), rolls each history and computes the new scales (TransformerEngine's rule):
+`pending_amax`. At the end of the step Fp8ScalingManager.update() max-reduces every pending amax of the
+model over the amax group (TP x DP of one pipeline stage) in a single collective, so all ranks end with
+identical scales, then rolls the histories and computes the new scales by TransformerEngine's rule
+(its fused `amax_and_scale_update_after_reduction` kernel):
 
-    amax  = max(history)  or  history[0] (most_recent)
-    scale = FP8_MAX / amax / 2**margin      (kept unchanged when amax is 0 or not finite)
+    a step amax of 0 (the tensor was not seen this step) leaves the history as it is
+    amax  = max(history)  or  the step's amax (most_recent)
+    scale = (FP8_MAX * 2**-margin) / amax     kept when amax is 0; fp32 max when the quotient overflows
+    power_of_2_scale rounds the new scale down to a power of two
 
-Histories and scales are buffers, so they are part of the model's state dict and of checkpoints.
+One deliberate difference: an inf/NaN step amax is recorded as 0 (TE records it), so a single bad step
+cannot pin a `max` history, and hence the scale, for amax_history_len steps.
+
+Flat storage. The manager keeps the histories, scales and pending amaxes of all states in three flat
+fp32 tensors (one row per state; histories zero-padded to the longest) and points each state's buffers
+at views of them. The views are ordinary buffers: state_dict() and checkpoints see
+`...fp8_scaling.<role>.amax_history` / `.scale` exactly as before, and load_state_dict() copies into
+them in place, so the views stay valid. Whatever may replace a state's tensors (a new state, `.to()` or a
+cast, a load with `assign=True`, another manager adopting the states) bumps a class-wide layout version;
+the manager compares one integer per update and, when it changed, rebuilds the flat tensors from the
+states' current values before updating.
 """
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,99 +38,225 @@ from megafp8_kernels import fp8_format
 
 from .recipe import Fp8Recipe
 
+_FP32_MAX = torch.finfo(torch.float32).max
+_PERSISTENT = ("amax_history", "scale")
+FRESH_STATE_WARNING = (
+    "the loaded state dict has no FP8 delayed-scaling state for some layers (no fp8_scaling.* entries, e.g. an "
+    "HF checkpoint): their amax histories and scales start fresh (cold) and fill in over the next steps")
+
+
+class UpdateClock:
+    """Host-side count of the update() calls of the manager a state belongs to (is_cold needs no sync)."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+
 
 class ScalingState(nn.Module):
     """Amax history (index 0 = most recent) and current quantization scale of one FP8 tensor role."""
 
+    # Class-wide on purpose: a manager must notice a replaced tensor in any state of its model without
+    # walking the model every step (see the module docstring).
+    layout_version = 0
+
     def __init__(self, recipe: Fp8Recipe, fp8_dtype: torch.dtype):
         super().__init__()
         self.recipe = recipe
+        self.fp8_dtype = fp8_dtype
         self.fp8_max = fp8_format(fp8_dtype).max
         self.register_buffer("amax_history", torch.zeros(recipe.amax_history_len))
         self.register_buffer("scale", torch.ones(()))  # TransformerEngine starts from 1 too
         self.register_buffer("pending_amax", torch.zeros(()), persistent=False)
+        self._warm = False
+        self._observed_at: int | None = None  # clock value of the first observe() while cold
+        self._clock = UpdateClock()
+        _bump_layout_version()
 
-    def _apply(self, fn, recurse=True):
-        # model.bfloat16() / .half() must not round histories and scales: keep them fp32 on any device.
-        super()._apply(fn, recurse)
-        for name, buf in self._buffers.items():
-            if buf is not None and buf.dtype != torch.float32:
-                self._buffers[name] = buf.float()
-        return self
+    @property
+    def is_cold(self) -> bool:
+        """True until an update() has folded an amax this state observed into its history; host-side, no
+        device sync. (A step whose reduced amax was 0 or non-finite still counts: the host cannot see the
+        value.) A loaded state is cold when its loaded history is all zero."""
+        if not self._warm and self._observed_at is not None and self._clock.updates > self._observed_at:
+            self._warm = True
+        return not self._warm
 
     @torch.no_grad()
     def observe(self, amax: torch.Tensor) -> None:
         """Fold one micro-batch's amax into this step's (no host sync: stays a device tensor)."""
         torch.maximum(self.pending_amax, amax.reshape(()).to(self.pending_amax), out=self.pending_amax)
+        if self._observed_at is None:
+            self._observed_at = self._clock.updates
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Back to a fresh state: empty history, scale 1, cold."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+        self.pending_amax.zero_()
+        self._warm, self._observed_at = False, None
+
+    def bind(self, amax_history: torch.Tensor, scale: torch.Tensor, pending_amax: torch.Tensor,
+             clock: UpdateClock) -> None:
+        """Use these tensors (views into a manager's flat buffers, holding this state's values) from now on."""
+        warm = not self.is_cold
+        pending_observation = not warm and self._observed_at is not None
+        self._buffers["amax_history"], self._buffers["scale"] = amax_history, scale
+        self._buffers["pending_amax"] = pending_amax
+        self._clock, self._warm = clock, warm
+        self._observed_at = clock.updates if pending_observation else None
+        _bump_layout_version()
+
+    def _apply(self, fn, recurse=True):
+        # model.bfloat16() / .half() must not round histories and scales: keep the fp32 values on any device.
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.dtype != torch.float32:
+                self._buffers[name] = before[name].to(device=buf.device)
+        _bump_layout_version()  # the flat views may have been replaced by per-state tensors
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not any(prefix + name in state_dict for name in _PERSISTENT):
+            # A checkpoint without scaling state (HF weights, a model saved before the layer met a delayed
+            # recipe): not an error, the state starts fresh. Python shows the warning once per process.
+            self.reset()
+            warnings.warn(FRESH_STATE_WARNING, stacklevel=2)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        _bump_layout_version()  # assign=True replaces the tensors
+        self._warm = bool(self.amax_history.any())  # one host sync per state, at load time only
+        self._observed_at = None
 
     def extra_repr(self) -> str:
         return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}, margin={self.recipe.margin}"
 
 
-@torch.no_grad()
-def update_scales(states: list[ScalingState], step_amax: torch.Tensor) -> None:
-    """Roll each history with this step's (already reduced) amax and recompute the scales, batched."""
-    if not states:
-        return
-    # A NaN/inf amax carries no usable magnitude: record 0 ("no information") so it cannot pin the
-    # history's max for amax_history_len steps; the scale then stays as it was.
-    step_amax = torch.where(torch.isfinite(step_amax), step_amax, torch.zeros_like(step_amax))
-    by_length: dict[int, list[int]] = {}
-    for i, state in enumerate(states):
-        by_length.setdefault(state.amax_history.numel(), []).append(i)
-    for indices in by_length.values():
-        group = [states[i] for i in indices]
-        history = torch.stack([s.amax_history for s in group]).roll(1, dims=1)
-        history[:, 0] = step_amax[indices]
-        most_recent = torch.tensor([s.recipe.amax_compute_algo == "most_recent" for s in group], device=history.device)
-        amax = torch.where(most_recent, history[:, 0], history.amax(dim=1))
-        fp8_max = torch.tensor([s.fp8_max for s in group], device=history.device)
-        margin = torch.tensor([float(2 ** s.recipe.margin) for s in group], device=history.device)
-        new_scale = fp8_max / amax / margin
-        pow2 = torch.tensor([s.recipe.power_of_2_scale for s in group], device=history.device)
-        rounded_down = (new_scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # clear the mantissa
-        new_scale = torch.where(pow2, rounded_down, new_scale)
-        old_scale = torch.stack([s.scale for s in group])
-        new_scale = torch.where((amax > 0) & torch.isfinite(new_scale), new_scale, old_scale)
-        for j, state in enumerate(group):
-            state.amax_history.copy_(history[j])
-            state.scale.copy_(new_scale[j])
-            state.pending_amax.zero_()
+def _bump_layout_version() -> None:
+    ScalingState.layout_version += 1
+
+
+class FlatScalingBuffers:
+    """The states of one model in flat tensors (states hold views of their rows), with the per-state
+    constants of the update rule built once."""
+
+    def __init__(self, states: list[ScalingState], clock: UpdateClock):
+        devices = {s.scale.device for s in states}
+        if len(devices) > 1:
+            raise ValueError(f"the model's FP8 scaling states are on several devices ({', '.join(map(str, devices))}):"
+                             " Fp8ScalingManager needs them on one device (one pipeline stage per process)")
+        device = devices.pop()
+        lengths = [s.amax_history.numel() for s in states]
+        self.states = states
+        self.history = torch.zeros(len(states), max(lengths), device=device)
+        for row, (state, length) in enumerate(zip(states, lengths)):  # at (re)build only, not per step
+            self.history[row, :length].copy_(state.amax_history)
+        self.scale = torch.stack([s.scale.float() for s in states])
+        self.pending = torch.stack([s.pending_amax.float() for s in states])
+
+        def per_state(values, dtype=torch.bool):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.scaled_max = per_state([s.fp8_max * 2.0 ** -s.recipe.margin for s in states], torch.float32)
+        most_recent = [s.recipe.amax_compute_algo == "most_recent" for s in states]
+        pow2 = [s.recipe.power_of_2_scale for s in states]
+        # Masks only where the states differ; uniform recipes (the usual case) skip the select entirely.
+        self.all_most_recent = all(most_recent)
+        self.most_recent = per_state(most_recent) if any(most_recent) and not all(most_recent) else None
+        self.all_pow2 = all(pow2)
+        self.pow2 = per_state(pow2) if any(pow2) and not all(pow2) else None
+        self.any_pow2 = any(pow2)
+        ragged = len(set(lengths)) > 1
+        self.in_history = (torch.arange(max(lengths), device=device) < per_state(lengths, torch.int64).unsqueeze(1)
+                           if ragged else None)  # zero-padding of shorter histories stays zero
+        for row, (state, length) in enumerate(zip(states, lengths)):
+            state.bind(self.history[row, :length], self.scale[row], self.pending[row], clock)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Roll the histories with the (already reduced) pending amaxes and recompute every scale."""
+        step = self.pending
+        recorded = torch.nan_to_num(step, nan=0.0, posinf=0.0, neginf=0.0)
+        seen = step != 0  # NaN counts as seen (TE rolls it too); only a true 0 leaves the history alone
+        rolled = torch.cat([recorded.unsqueeze(1), self.history[:, :-1]], dim=1)
+        if self.in_history is not None:
+            rolled = torch.where(self.in_history, rolled, 0.0)
+        torch.where(seen.unsqueeze(1), rolled, self.history, out=self.history)
+        if self.all_most_recent:
+            amax = recorded
+        else:
+            amax = self.history.amax(dim=1)
+            if self.most_recent is not None:
+                amax = torch.where(self.most_recent, recorded, amax)
+        new_scale = (self.scaled_max / amax).clamp_(max=_FP32_MAX)
+        if self.any_pow2:
+            rounded_down = (new_scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # clear the mantissa
+            new_scale = rounded_down if self.all_pow2 else torch.where(self.pow2, rounded_down, new_scale)
+        torch.where(amax > 0, new_scale, self.scale, out=self.scale)
+        self.pending.zero_()
 
 
 class Fp8ScalingManager:
-    """Owns the once-per-step delayed-scaling update of a whole model.
+    """Owns the once-per-step delayed-scaling update of a whole model (or pipeline stage).
 
-    reduce_group:  the TP x DP ("amax") process group, or None for a single process.
+    amax_group:     the process group the amaxes are max-reduced over: the TP x DP group of this pipeline
+                    stage (megafp8.parallel.fp8_sequence_parallel.fp8_scaling_manager passes it). Required;
+                    None only when the run is a single process.
     all_reduce_max: optional callable(tensor, group) doing an in-place MAX all-reduce; the parallel
-                   layer passes its byte-counting collective here. Defaults to torch.distributed.
+                    layer passes its byte-counting collective here. Defaults to torch.distributed.
+
+    update() does not touch cached FP8 weights: the optimizer step owns that
+    (megafp8.fp8.invalidate_fp8_weight_caches).
     """
 
-    def __init__(self, model: nn.Module, reduce_group=None,
+    def __init__(self, model: nn.Module, amax_group,
                  all_reduce_max: Callable[[torch.Tensor, object], None] | None = None):
         self.model = model
-        self.reduce_group = reduce_group
+        self.amax_group = amax_group
         self.all_reduce_max = all_reduce_max or _dist_all_reduce_max
-        self.updates = 0
+        self._clock = UpdateClock()
+        self._flat: FlatScalingBuffers | None = None
+        self._built_for_layout = -1
+        self._require_group()
+
+    @property
+    def updates(self) -> int:
+        return self._clock.updates
 
     def states(self) -> list[ScalingState]:
-        return [m for m in self.model.modules() if isinstance(m, ScalingState)]
+        flat = self._flat_buffers()
+        return [] if flat is None else list(flat.states)
+
+    def _flat_buffers(self) -> FlatScalingBuffers | None:
+        if self._built_for_layout != ScalingState.layout_version:  # one integer compare on the hot path
+            states = [m for m in self.model.modules() if isinstance(m, ScalingState)]
+            self._flat = FlatScalingBuffers(states, self._clock) if states else None
+            self._built_for_layout = ScalingState.layout_version
+        return self._flat
+
+    def _require_group(self) -> None:
+        if self.amax_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"Fp8ScalingManager(model, amax_group=None) in a run of {dist.get_world_size()} processes: pass the "
+                "amax group (the TP x DP group of this pipeline stage, ParallelState.amax_group; or build the "
+                "manager with megafp8.parallel.fp8_sequence_parallel.fp8_scaling_manager). None is for a "
+                "single process only: reducing over WORLD would mix pipeline stages")
 
     @torch.no_grad()
     def update(self) -> None:
         """Call once per optimizer step, after backward: one collective for every layer's amaxes."""
-        from .linear import invalidate_fp8_weight_caches  # new scales invalidate cached FP8 weights
-
-        states = self.states()
-        if states:
-            step_amax = torch.stack([s.pending_amax for s in states])
-            if self.reduce_group is not None or (dist.is_available() and dist.is_initialized()):
-                self.all_reduce_max(step_amax, self.reduce_group)
-            update_scales(states, step_amax)
-        invalidate_fp8_weight_caches(self.model)
-        self.updates += 1
+        flat = self._flat_buffers()
+        if flat is not None:
+            if self.amax_group is None:
+                self._require_group()
+            else:
+                self.all_reduce_max(flat.pending, self.amax_group)
+            flat.update()
+        self._clock.updates += 1
 
 
 def _dist_all_reduce_max(tensor: torch.Tensor, group) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

@@ -2,8 +2,9 @@
 that moves a persistently saturating layer to BF16.
 
 Off by default; the training loop turns it on for the iterations it logs (every --log-interval), so the
-extra elementwise pass over each quantized tensor is paid only on those. Values stay on the device until
-collect_fp8_telemetry() reads them, once per logged iteration.
+extra elementwise pass over each quantized tensor is paid only on those. That pass runs over row chunks of
+at most TELEMETRY_CHUNK_ELEMENTS elements, so its fp32 temporaries stay bounded (16 MiB each) instead of
+activation-sized. Values stay on the device until collect_fp8_telemetry() reads them, once per logged iteration.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megafp8_kernels import expand_scale, fp8_format
+from megafp8_kernels import BLOCK, Granularity, expand_scale, fp8_format
+
+TELEMETRY_CHUNK_ELEMENTS = 1 << 22
 
 
 def saturation_threshold(fp8_dtype: torch.dtype) -> float:
@@ -24,21 +27,47 @@ def saturation_threshold(fp8_dtype: torch.dtype) -> float:
     return fmt.max + 0.5 * 2.0 ** (top_exponent - fmt.mantissa_bits)
 
 
+def _row_chunks(rows: int, cols: int, gran: Granularity):
+    """(start, stop) row ranges of at most TELEMETRY_CHUNK_ELEMENTS elements; whole 128-row blocks for 128x128."""
+    step = max(1, TELEMETRY_CHUNK_ELEMENTS // max(cols, 1))
+    if gran is Granularity.BLOCK_128X128:
+        step = max(BLOCK, step // BLOCK * BLOCK)
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _chunk_scale_inv(scale_inv: torch.Tensor, start: int, stop: int, cols: int, gran: Granularity) -> torch.Tensor:
+    """The dequantization scales of rows start:stop, broadcastable against those rows."""
+    if gran is Granularity.TENSORWISE:
+        return scale_inv.float()
+    if gran is Granularity.ROWWISE:
+        return scale_inv[start:stop].float()
+    if gran is Granularity.BLOCK_128X128:
+        return expand_scale(scale_inv[start // BLOCK: -(-stop // BLOCK)].float(), stop - start, cols, gran)
+    return expand_scale(scale_inv[start:stop].float(), stop - start, cols, gran)
+
+
 @torch.no_grad()
 def record_fp8_stats(layer: nn.Module, role: str, x_hp: torch.Tensor, fp8, amax: torch.Tensor) -> None:
     """Store this quantization's statistics on `layer` under `role` (input, weight, grad_output)."""
     data, scale_inv = fp8.row_major()
-    x = x_hp.float()
-    # Saturated: |x| * scale past FP8_MAX by more than rounding (a group's own amax maps to FP8_MAX and
-    # is not clipped). Flushed: nonzero but quantized to 0.
-    clip_level = saturation_threshold(fp8.fp8_dtype) * expand_scale(scale_inv.float(), *data.shape, fp8.granularity)
-    saturated = (x.abs() > clip_level).float().mean()
-    flushed = ((x != 0) & (data.float() == 0)).float().mean()
+    rows, cols = data.shape
+    threshold = saturation_threshold(fp8.fp8_dtype)
+    saturated = torch.zeros((), dtype=torch.int64, device=data.device)
+    flushed = torch.zeros_like(saturated)
+    for start, stop in _row_chunks(rows, cols, fp8.granularity):
+        x = x_hp[start:stop]
+        # Saturated: |x| * scale past FP8_MAX by more than rounding (a group's own amax maps to FP8_MAX and
+        # is not clipped). Flushed: nonzero but quantized to +-0 (read on the FP8 bytes, sign bit masked).
+        clip_level = threshold * _chunk_scale_inv(scale_inv, start, stop, cols, fp8.granularity)
+        saturated += (x.float().abs() > clip_level).sum()
+        flushed += ((x != 0) & ((data[start:stop].view(torch.uint8) & 0x7F) == 0)).sum()
+    numel = max(rows * cols, 1)
     layer.fp8_telemetry[role] = {
         "amax": amax.float().max(),
-        "scale": 1.0 / fp8.scale_inv.float().min(),  # the largest scale of any group: tensorwise = the scale
-        "saturated": saturated,
-        "flushed_to_zero": flushed,
+        "scale": 1.0 / scale_inv.float().min(),  # the largest scale of any group: tensorwise = the scale
+        "saturated": (saturated / numel).float(),
+        "flushed_to_zero": (flushed / numel).float(),
     }
 
 

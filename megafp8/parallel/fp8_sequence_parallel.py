@@ -38,10 +38,10 @@ class TensorParallelSequenceComm:
 
 
 def fp8_scaling_manager(model: nn.Module, parallel_state: ParallelState) -> Fp8ScalingManager:
-    """The delayed-scaling manager of `model`, reducing amaxes over the TP x DP group in one counted collective."""
-    amax_group = parallel_state.amax_group
+    """The delayed-scaling manager of `model` (this process's pipeline stage), reducing amaxes over the
+    stage's TP x DP group (ParallelState.amax_group, never WORLD) in one counted collective."""
 
-    def all_reduce_max(tensor: torch.Tensor, _group) -> None:
-        C.all_reduce(tensor, amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
+    def all_reduce_max(tensor: torch.Tensor, group: GroupHandle) -> None:
+        C.all_reduce(tensor, group, "amax_reduce", op=dist.ReduceOp.MAX)
 
-    return Fp8ScalingManager(model, reduce_group=amax_group, all_reduce_max=all_reduce_max)
+    return Fp8ScalingManager(model, parallel_state.amax_group, all_reduce_max=all_reduce_max)
