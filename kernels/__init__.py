@@ -3,6 +3,8 @@
 Imported as `megafp8_kernels` (the folder is kernels/; a bare `kernels` would shadow a PyPI package).
 Knows nothing of models or process groups. quantize and fp8_gemm are torch custom ops (megafp8::*)
 with fake implementations, so torch.compile traces through them.
+The Triton quantizer lives in quantize_triton.py, not quantize.py: importing a submodule named
+`quantize` would replace this package's `quantize` function with the module.
 """
 from .dispatch import BACKENDS, GEMM_BACKENDS, fp8_gemm, quantize, resolve_backend, resolve_gemm_backend
 from .gemm_reference import dequantize

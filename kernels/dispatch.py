@@ -71,7 +71,7 @@ def _quantize_op(x: torch.Tensor, fp8_dtype: torch.dtype, granularity_: str, pow
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     kwargs = dict(power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose)
     if resolve_backend(x.device, backend or None) == "triton":
-        from .quantize import quantize_triton  # Triton is imported only where it is used
+        from .quantize_triton import quantize_triton  # Triton is imported only where it is used
 
         q = quantize_triton(x, fp8_dtype, granularity_, **kwargs)
     else:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize import _interpreting
+from .quantize_triton import _interpreting
 from .scaling import BLOCK, GemmScaleMode, check_gemm_args
 
 _MODE = {

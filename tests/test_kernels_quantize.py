@@ -200,6 +200,15 @@ def test_bad_arguments_raise_clear_errors(backend):
         quantize(x[:0], E4M3.dtype, backend=backend)
 
 
+def test_package_quantize_stays_the_function_after_triton_runs():
+    """The Triton submodule is imported lazily; were it named `quantize`, that import would overwrite
+    the package attribute and `megafp8_kernels.quantize(...)` would fail with 'module is not callable'."""
+    import megafp8_kernels
+
+    _triton(torch.ones(2, 2), E4M3, "tensorwise")
+    assert callable(megafp8_kernels.quantize) and megafp8_kernels.quantize is quantize
+
+
 def test_backend_selection(monkeypatch):
     from megafp8_kernels import resolve_backend
 

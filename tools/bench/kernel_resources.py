@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megafp8_kernels import E4M3, GemmScaleMode, quantize
     from megafp8_kernels import gemm as G
-    from megafp8_kernels import quantize as Q
+    from megafp8_kernels import quantize_triton as Q
     from megafp8_kernels.gemm_reference import fp8_gemm_reference
 
     hopper = torch.cuda.get_device_capability()[0] == 9
