@@ -40,11 +40,11 @@ def run_agreed(step: Callable[[], T], what: str) -> T:
     """Run ``step`` on this rank, then raise a CheckpointError on every rank if it failed on any.
 
     A CheckpointError keeps its message; any other exception is summarized in one line."""
-    result, error = None, None
+    result, error, error_type = None, None, CheckpointError
     try:
         result = step()
     except CheckpointError as e:
-        error = str(e)
+        error, error_type = str(e), type(e)  # keep subclasses (ArgsMismatchError) for callers that catch them
     except Exception as e:  # noqa: BLE001 - reported collectively below, with its type and message
         error = f"{what}: {type(e).__name__}: {e}"
     errors = all_gather_object(error)
@@ -53,5 +53,5 @@ def run_agreed(step: Callable[[], T], what: str) -> T:
         unique = list(dict.fromkeys(message for _, message in failed))
         ranks = [rank for rank, _ in failed]
         prefix = f"(rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) " if world()[1] > 1 else ""
-        raise CheckpointError(prefix + "\n".join(unique))
+        raise error_type(prefix + "\n".join(unique))
     return result  # type: ignore[return-value]

@@ -128,7 +128,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
         with _single_process_quiet():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=ShardedSavePlanner(),
                      no_dist=size == 1)
-    except Exception as e:  # DCP raises the same CheckpointException on every rank
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
         raise CheckpointError(f"writing checkpoint {final} failed: {_summarize(e)}") from None
 
     def digest_share() -> dict[str, dict[str, Any]]:
@@ -222,7 +222,7 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
         with _single_process_quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardedLoadPlanner(),
                      no_dist=size == 1)
-    except Exception as e:
+    except (Exception, dcp.CheckpointException) as e:  # a BaseException, raised on every rank alike
         raise CheckpointError(f"loading checkpoint {path} failed: {_summarize(e)}") from None
 
     def restore() -> LoadedCheckpoint:
@@ -249,5 +249,8 @@ def _restore_guard(guard: Any, rank_states: list[dict], model: Models) -> None:
         strikes.update(state.get("strikes", {}))
         switched.update(state.get("switched", []))
     for chunk in [model] if isinstance(model, nn.Module) else list(model):
-        names = {name for name, _ in chunk.named_modules()}
-        guard.load_state_dict({"strikes": strikes, "switched": sorted(switched & names)}, chunk)
+        mine = switched & {name for name, _ in chunk.named_modules()}
+        guard.load_state_dict({"strikes": strikes, "switched": sorted(mine)}, chunk)
+        # SaturationGuard.load_state_dict switches the layers but does not record them in `switched`;
+        # record them here so the next checkpoint keeps them.
+        guard.switched.update(mine)
