@@ -20,3 +20,17 @@ def gaussian_with_outlier_channels(rows: int, cols: int, generator: torch.Genera
 
 def fp8_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
+
+
+def attach_main_grads(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every parameter a zeroed `main_grad` of `dtype` and the hook the ZeRO grad buffer installs (the
+    contract in docs/fp8.md): a gradient that autograd put in `.grad` is added to `main_grad` and freed.
+    The FP8 op writes its parameters' gradients into `main_grad` itself; the hook then sees `.grad` None."""
+    def move_grad(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+    for param in module.parameters():
+        param.main_grad = torch.zeros_like(param, dtype=dtype)
+        param.register_post_accumulate_grad_hook(move_grad)

@@ -1,5 +1,5 @@
-"""FP8-capable linear modules: the shared base (recipe, delayed-scaling state, per-step FP8 weight cache,
-telemetry) and the plain Fp8Linear. Tensor-parallel layers in megafp8.parallel derive from the same base.
+"""FP8-capable linear modules: the shared base (recipe, delayed-scaling state, the per-step FP8 weight:
+cached or injected by the optimizer, telemetry) and the plain Fp8Linear. Tensor-parallel layers in megafp8.parallel derive from the same base.
 
 The autograd op itself (the three FP8 GEMMs) is in linear_function.py.
 """
@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8_kernels import Granularity
+
 from .autocast import resolve_recipe
-from .linear_function import SequenceParallelComm, fp8_linear, quantize_operand
+from .linear_function import SequenceParallelComm, delayed_scale, fp8_linear, quantize_operand
 from .recipe import ROLES, Fp8Recipe
 from .scaling_state import ScalingState
 from .tensor import Float8Tensor
@@ -39,6 +42,7 @@ class Fp8GemmModule(nn.Module):
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor] | None = None
+        self._injected_weight: Float8Tensor | None = None
 
     @property
     def runs_high_precision(self) -> bool:
@@ -66,54 +70,136 @@ class Fp8GemmModule(nn.Module):
         return self.fp8_scaling[role]
 
     # ---- the FP8 weight, once per optimizer step ----
-    def fp8_weight(self, recipe: Fp8Recipe, weight: torch.Tensor, cacheable: bool = True) -> Float8Tensor:
-        """The weight in FP8, quantized once per optimizer step and reused by every micro-batch.
+    def fp8_weight(self, recipe: Fp8Recipe, weight: torch.Tensor, observe: bool = True) -> Float8Tensor:
+        """The weight in FP8 for this step: the injected one (set_fp8_weight), else quantized from the
+        high-precision weight once and cached until invalidate_weight_cache().
 
-        The cache is keyed on the tensor's version counter (bumped by in-place optimizer updates) and is
-        dropped by invalidate_fp8_weight_caches (Fp8ScalingManager.update calls it every step; a loop that
-        writes weights through `.data`, which bumps no version, must call it after each step).
-        A derived weight (Smooth-SwiGLU's rescaled one) is not cacheable: it changes every micro-batch.
-        Under a delayed recipe it still uses the weight role's delayed scale, synchronized over TP x DP
-        like every delayed scale (so sharded runs quantize exactly as TP=1); a new outlier channel can
-        then clip weight columns until the amax history catches up, which telemetry reports."""
+        Invalidation is explicit and owned by the optimizer step (it calls invalidate_fp8_weight_caches
+        after writing the weights); the cache key also follows the Parameter's version counter and storage
+        as a safety net for plain torch optimizers, but cannot see writes into a flat buffer that the
+        Parameter's `.data` merely views. Under a delayed recipe the weight role's delayed scale is used
+        (synchronized over TP x DP like every delayed scale, so sharded runs quantize exactly as TP=1)."""
         transpose = torch.is_grad_enabled()  # dgrad needs W^T; inference does not
-        if not cacheable:
-            return self._quantize_weight(weight, recipe, transpose)
-        key = (weight._version, weight.data_ptr(), recipe, transpose)
-        if self._weight_cache is None or self._weight_cache[0] != key:
-            self._weight_cache = (key, self._quantize_weight(weight, recipe, transpose))
-        return self._weight_cache[1]
+        if self._injected_weight is not None:
+            return self._injected_fp8_weight(recipe, transpose)
+        if torch.compiler.is_compiling():
+            # (kernels helper, for torch.compile) dynamo cannot trace the data_ptr/_version cache key (a
+            # graph break per layer): a compiled forward quantizes the weight inside its graph instead.
+            return self._quantize_weight(weight.detach(), recipe, transpose, observe)
+        key = (recipe, weight.data_ptr(), weight._version)
+        cached = self._weight_cache
+        if cached is None or cached[0] != key or (transpose and cached[1].data_t is None):
+            cached = self._weight_cache = (key, self._quantize_weight(weight.detach(), recipe, transpose, observe))
+        return cached[1]
 
-    def _quantize_weight(self, weight: torch.Tensor, recipe: Fp8Recipe, transpose: bool) -> Float8Tensor:
+    def _quantize_weight(self, weight: torch.Tensor, recipe: Fp8Recipe, transpose: bool, observe: bool) -> Float8Tensor:
         with torch.no_grad():
-            return quantize_operand(weight.detach(), recipe, "weight", self.scaling_state("weight", recipe), transpose, self)
+            return quantize_operand(weight, recipe, "weight", self.scaling_state("weight", recipe), transpose, self,
+                                    observe=observe)
+
+    def set_fp8_weight(self, weight: Float8Tensor) -> None:
+        """Hand the layer its FP8 weight for this step (the ZeRO optimizer quantizes its master shard and
+        all-gathers the FP8 bytes). Row-major `data` + `scale_inv` are required, quantized as
+        fp8_weight_quantization() says; a missing transposed copy is derived (Float8Tensor.with_transpose).
+        Until invalidate_weight_cache(), the layer never reads its high-precision weight's values: the
+        Parameter only stays the autograd leaf whose gradient goes to `main_grad`."""
+        if weight.data is None or weight.scale_inv is None:
+            raise ValueError("set_fp8_weight needs the row-major FP8 data and scale_inv")
+        own = getattr(self, "weight", None)
+        if isinstance(own, torch.Tensor) and tuple(own.shape) != tuple(weight.shape):
+            raise ValueError(f"set_fp8_weight: FP8 weight of shape {tuple(weight.shape)} for a layer whose weight is "
+                             f"{tuple(own.shape)}")
+        self._injected_weight = weight
+        self._weight_cache = None
+
+    def _injected_fp8_weight(self, recipe: Fp8Recipe, transpose: bool) -> Float8Tensor:
+        weight = self._injected_weight
+        want = (recipe.dtype("weight"), recipe.granularity("weight"))
+        if (weight.fp8_dtype, weight.granularity) != want:
+            raise ValueError(f"injected FP8 weight is {weight.fp8_dtype} {weight.granularity.value}, but the recipe "
+                             f"{recipe.scaling!r} quantizes weights as {want[0]} {want[1].value}")
+        if transpose and weight.data_t is None:
+            weight = self._injected_weight = weight.with_transpose(recipe.power_of_2_scale)  # once per step
+        return weight
+
+    def fp8_weight_quantization(self, recipe: Fp8Recipe | None = None) -> WeightQuantization | None:
+        """How this layer's weight must be quantized for set_fp8_weight; None when it runs in high precision
+        (then the optimizer must keep its high-precision weight). `recipe` defaults to the layer's own."""
+        recipe = resolve_recipe(recipe or self.recipe, self.runs_high_precision)
+        if recipe is None:
+            return None
+        state = self.scaling_state("weight", recipe)
+        return WeightQuantization(recipe.dtype("weight"), recipe.granularity("weight"), recipe.power_of_2_scale,
+                                  delayed_scale(state), state)
 
     def invalidate_weight_cache(self) -> None:
+        """Drop the cached and the injected FP8 weight: the next forward quantizes (or is handed) a new one."""
         self._weight_cache = None
+        self._injected_weight = None
 
     # ---- the GEMM ----
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                input_channel_scale: torch.Tensor | None = None, sp_input: SequenceParallelComm | None = None,
-               sp_output: SequenceParallelComm | None = None,
+               sp_output: SequenceParallelComm | None = None, tp_input: SequenceParallelComm | None = None,
                high_precision: HighPrecisionLinear = F.linear) -> torch.Tensor:
         """x W^T (+ b) in FP8 when a recipe is active, else `high_precision(x, W, b)`.
 
-        input_channel_scale: Smooth-SwiGLU — quantize x*s and fold 1/s into W's columns, so the product
-                             is unchanged while x's outlier channels no longer set its FP8 scale.
-        sp_input / sp_output: sequence-parallel communication done inside the FP8 op (see fp8_linear);
-                             the high-precision callable must then do the same communication itself.
+        input_channel_scale: Smooth-SwiGLU — quantize x*s and W/s, so the product is unchanged while x's
+                             outlier channels no longer set its FP8 scale; W's gradient still goes to W.
+        sp_input / sp_output / tp_input: tensor-parallel communication done inside the FP8 op (see
+                             fp8_linear); the high-precision callable must then do the same itself.
         """
-        if input_channel_scale is not None:
-            s = input_channel_scale.to(x.dtype)
-            x, weight = x * s, weight / s  # exact when s is a power of two (smooth_swiglu_channel_scales)
         recipe = resolve_recipe(self.recipe, self.runs_high_precision)
         if recipe is None:
+            if input_channel_scale is not None:
+                s = input_channel_scale.to(x.dtype)
+                x, weight = x * s, weight / s  # exact when s is a power of two (smooth_swiglu_channel_scales)
             return high_precision(x, weight, bias)
-        if not torch.is_grad_enabled():  # inference: nothing to save for backward, no transposed copies
+        grad = torch.is_grad_enabled()
+        observe = grad and self.training  # evaluation must not move the delayed-scaling histories
+        if not grad:  # inference: nothing to save for backward, no transposed copies
             x, weight = x.detach(), weight.detach()
             bias = bias.detach() if bias is not None else None
-        weight_fp8 = self.fp8_weight(recipe, weight, cacheable=input_channel_scale is None)
-        return fp8_linear(x, weight, bias, weight_fp8, recipe, self, sp_input, sp_output)
+        column_scale = None
+        if input_channel_scale is not None:
+            s = input_channel_scale.float()
+            x = x * s.to(x.dtype)
+            weight_fp8 = self._smoothed_fp8_weight(recipe, weight, s, observe)
+            column_scale = torch.ones_like(s) / s  # exact: s is a power of two
+        else:
+            weight_fp8 = self.fp8_weight(recipe, weight, observe)
+        return fp8_linear(x, weight, bias, weight_fp8, recipe, self, sp_input, sp_output, tp_input=tp_input,
+                          observe=observe, wgrad_column_scale=column_scale)
+
+    def _smoothed_fp8_weight(self, recipe: Fp8Recipe, weight: torch.Tensor, s: torch.Tensor,
+                             observe: bool) -> Float8Tensor:
+        """FP8 of W / s, every micro-batch (s changes with the input). From the injected FP8 weight when there
+        is one (dequantized, so a second rounding), else from the high-precision weight."""
+        transpose = torch.is_grad_enabled()
+        with torch.no_grad():
+            base = self._injected_weight.dequantize() if self._injected_weight is not None else weight.detach()
+            return self._quantize_weight(base / s.to(base.dtype), recipe, transpose, observe)
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """What an optimizer needs to produce a layer's FP8 weight (Fp8GemmModule.fp8_weight_quantization).
+
+    scale: the delayed scale to quantize with (all ranks hold the same), or None for current scaling
+           (amax of the WHOLE weight shard of this TP rank for tensorwise, per row / 128x128 tile otherwise).
+    state: the delayed-scaling state; call observe(amax of the whole weight) once per step so the
+           weight's history keeps moving while the optimizer, not the layer, quantizes it.
+    """
+
+    fp8_dtype: torch.dtype
+    granularity: Granularity
+    power_of_2_scale: bool
+    scale: torch.Tensor | None
+    state: ScalingState | None
+
+    def observe(self, amax: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state.observe(amax)
 
 
 class Fp8Linear(Fp8GemmModule):
@@ -141,7 +227,8 @@ class Fp8Linear(Fp8GemmModule):
 
 
 def invalidate_fp8_weight_caches(model: nn.Module) -> None:
-    """Drop every cached FP8 weight (after an optimizer step that wrote weights without bumping versions)."""
+    """Drop every cached and injected FP8 weight. The optimizer step calls it after writing the weights (a
+    loop with a plain torch optimizer calls it after optimizer.step())."""
     for module in model.modules():
         if isinstance(module, Fp8GemmModule):
             module.invalidate_weight_cache()

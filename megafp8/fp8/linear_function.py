@@ -5,68 +5,129 @@ Shapes (T tokens = all leading dims flattened, in = K of fprop, out = N of fprop
     tensor         shape        FP8 dtype (hybrid)  used by
     x              (T, in)      E4M3                fprop A
     x^T            (in, T)      E4M3                wgrad B        <- saved for backward (1 byte/elem)
-    W              (out, in)    E4M3                fprop B        <- cached once per optimizer step
-    W^T            (in, out)    E4M3                dgrad B        <- cached with W
+    W              (out, in)    E4M3                fprop B        <- held by the module, once per step
+    W^T            (in, out)    E4M3                dgrad B        <- held with W
     dY             (T, out)     E5M2                dgrad A
     dY^T           (out, T)     E5M2                wgrad A
 
     fprop  Y  = x  @ W^T   = fp8_gemm(x,    W)
     dgrad  dX = dY @ W     = fp8_gemm(dY,   W^T)
-    wgrad  dW = dY^T @ x   = fp8_gemm(dY^T, x^T)   (optionally += into weight.main_grad, fp32)
+    wgrad  dW = dY^T @ x   = fp8_gemm(dY^T, x^T)   (routed into weight.main_grad when it exists)
 
 Every GEMM operand is K-major, which Hopper's FP8 tensor cores require; the transposed copies come
 from the quantizer's fused cast+transpose. Forward saves x^T in FP8 (not the high-precision input):
-half the activation memory of a BF16 linear. The FP8 weight is held by the module (linear.py), not by autograd.
+half the activation memory of a BF16 linear. The FP8 weight is held by the module (linear.py), not by
+autograd; the op also receives the leaf Parameter, only to route its gradient.
+
+Gradient routing: if a parameter (weight or bias) has `main_grad` (any float dtype), its gradient is
+added there in fp32 and the op returns None for it, so `.grad` stays None (Megatron's gradient-
+accumulation fusion). Smooth-SwiGLU hands the op the FP8 copy of W / s and `wgrad_column_scale = 1/s`:
+the wgrad of W / s times 1/s per column (exact for powers of two) is the wgrad of the leaf W.
 
 Under sequence parallelism (a SequenceParallelComm given by the tensor-parallel layer) every tensor
 that crosses the TP group in a gather crosses it in FP8: a column-parallel layer's input shard is
-quantized once and its FP8 bytes + scales are all-gathered (dgrad is reduce-scattered back); a
-row-parallel layer's output is reduce-scattered and, in backward, its output-gradient shard is
-quantized once and all-gathered in FP8 for dgrad and wgrad.
+quantized once and its FP8 bytes + scales are all-gathered in one collective; forward saves only this
+rank's shard of x^T (quantized from the high-precision shard with the scale groups of the full
+sequence, so it is bit-identical to the TP=1 copy) and backward re-gathers it while dgrad runs, then
+runs wgrad while dgrad's reduce-scatter is in flight. A row-parallel layer reduce-scatters its output
+and, in backward, quantizes its output-gradient shard once and all-gathers it for dgrad and wgrad.
+Without sequence parallelism a column-parallel layer all-reduces dgrad itself (`tp_input`), also
+overlapped with wgrad.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megafp8_kernels import Granularity, fp8_format, fp8_gemm, quantize, scale_from_amax
+from megafp8_kernels import BLOCK, Granularity, fp8_format, fp8_gemm, quantize, scale_from_amax
 
 from .recipe import Fp8Recipe
-from .scaling_state import ScalingState
 from .telemetry import record_fp8_stats
 from .tensor import Float8Tensor
 
 if TYPE_CHECKING:
     from .linear import Fp8GemmModule
+    from .scaling_state import ScalingState
+
+
+class Pending(Protocol):
+    """A collective in flight; wait() returns its result."""
+
+    def wait(self): ...
 
 
 class SequenceParallelComm(Protocol):
-    """How a tensor-parallel layer under sequence parallelism moves FP8 operands; megafp8.parallel
-    implements it over the TP group. Rows are tokens, sequence-major, so gathering rows gathers the
-    sequence. A column-parallel layer gathers its input (forward); a row-parallel layer reduce-scatters
-    its output (forward) and gathers its output gradient (backward)."""
+    """How a tensor-parallel layer moves FP8 operands over its TP group; megafp8.parallel implements it.
+    Rows are tokens, sequence-major, so gathering rows gathers the sequence. A column-parallel layer
+    gathers its input (forward) and re-gathers its saved x^T shard (backward); a row-parallel layer
+    reduce-scatters its output (forward) and gathers its output gradient (backward)."""
+
+    size: int  # TP ranks
+    rank: int  # this rank's index: its rows are [rank * rows, (rank + 1) * rows) of the gathered tensor
 
     def sync_amax(self, amax: torch.Tensor) -> None:
-        """In-place MAX over the group (current tensorwise scaling needs one scale on every rank)."""
+        """In-place MAX over the group (current scaling of a gathered tensor needs one scale per group)."""
 
-    def gather_rows(self, x: Float8Tensor) -> Float8Tensor:
-        """All-gather the row-major FP8 bytes and their scales: 1 byte per element on the wire."""
+    def gather_rows_async(self, x: Float8Tensor) -> Pending:
+        """All-gather the row-major FP8 bytes and their scales (one collective); wait() -> Float8Tensor."""
 
-    def reduce_scatter_rows(self, t: torch.Tensor) -> torch.Tensor:
+    def gather_cols_async(self, data_t: torch.Tensor) -> Pending:
+        """All-gather (in, T/TP) FP8 bytes along dim 1 (scales already agree); wait() -> (in, T)."""
+
+    def reduce_scatter_rows_async(self, t: torch.Tensor) -> Pending:
         """Sum a full-sequence tensor over the group and keep this rank's rows (high precision)."""
+
+    def all_reduce_async(self, t: torch.Tensor) -> Pending:
+        """Sum over the group in place (dgrad of a column-parallel layer without sequence parallelism)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LinearArgs:
+    """The non-tensor inputs of one FP8 linear call.
+
+    observe: fold this call's amaxes into delayed-scaling histories (training forward only: an eval or
+             no-grad forward must leave the scaling state untouched)."""
+
+    recipe: Fp8Recipe
+    layer: Fp8GemmModule
+    sp_input: SequenceParallelComm | None = None
+    sp_output: SequenceParallelComm | None = None
+    tp_input: SequenceParallelComm | None = None
+    observe: bool = True
+    wgrad_column_scale: torch.Tensor | None = None
+
+
+class _Done:
+    """An already finished 'collective' (no communication needed)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+def delayed_scale(state: ScalingState | None) -> torch.Tensor | None:
+    """The delayed scale to quantize with, or None for current scaling: no state, or a state whose amax
+    history is still empty (cold start: its initial scale 1.0 would flush small gradients to zero)."""
+    if state is None or state.is_cold:
+        return None
+    return state.scale
 
 
 def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingState | None, transpose: bool,
-                     layer: Fp8GemmModule, scale: torch.Tensor | None = None) -> Float8Tensor:
-    """Quantize one operand by the recipe; delayed scaling uses and feeds the role's ScalingState."""
+                     layer: Fp8GemmModule, scale: torch.Tensor | None = None, observe: bool = True) -> Float8Tensor:
+    """Quantize one operand by the recipe; delayed scaling uses the role's ScalingState and, if `observe`,
+    feeds it this tensor's amax."""
     gran = recipe.granularity(role)
-    if scale is None and state is not None:
-        scale = state.scale
+    if scale is None:
+        scale = delayed_scale(state)
     q = quantize(x2d, recipe.dtype(role), gran, power_of_2_scale=recipe.power_of_2_scale, scale=scale,
                  transpose=transpose)
-    if state is not None:
+    if state is not None and observe:
         state.observe(q.amax)
     fp8 = Float8Tensor.from_quantized(q, gran)
     if layer.telemetry_enabled:
@@ -74,81 +135,178 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
     return fp8
 
 
-def _quantize_maybe_gathered(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule,
-                             transpose: bool, comm: SequenceParallelComm | None) -> Float8Tensor:
-    """The FP8 operand (row-major, plus its transposed copy if asked); with `comm`, x2d is this rank's
-    sequence shard, quantized ONCE and all-gathered as FP8 bytes (not BF16)."""
-    state = layer.scaling_state(role, recipe)
-    if comm is None:
-        return quantize_operand(x2d, recipe, role, state, transpose, layer)
-    gran = recipe.granularity(role)
-    scale = None
-    if state is None and gran is Granularity.TENSORWISE:  # current scaling: agree on one scale first
+def _agreed_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingState | None,
+                  comm: SequenceParallelComm) -> torch.Tensor | None:
+    """The per-tensor scale every rank of a gather uses: the delayed one (already identical on every
+    rank), or current scaling from the MAX of the shards' amaxes. None for row/block groups (local)."""
+    scale = delayed_scale(state)
+    if scale is None and recipe.granularity(role) is Granularity.TENSORWISE:
         amax = x2d.detach().abs().amax().float()
         comm.sync_amax(amax)
         scale = scale_from_amax(amax, fp8_format(recipe.dtype(role)).max, recipe.power_of_2_scale)
-    full = comm.gather_rows(quantize_operand(x2d, recipe, role, state, False, layer, scale=scale))
-    if not transpose:
-        return full
-    if gran is Granularity.TENSORWISE:  # one scale: the transposed copy is the same bytes, moved
+    return scale
+
+
+def _gather_quantized(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule,
+                      comm: SequenceParallelComm, observe: bool) -> tuple[Pending, Float8Tensor]:
+    """Quantize this rank's sequence shard ONCE and start gathering its FP8 bytes (not BF16)."""
+    state = layer.scaling_state(role, recipe)
+    scale = _agreed_scale(x2d, recipe, role, state, comm)
+    local = quantize_operand(x2d, recipe, role, state, False, layer, scale=scale, observe=observe)
+    return comm.gather_rows_async(local), local
+
+
+def _local_transposed_shard(x2d: torch.Tensor, local: Float8Tensor, recipe: Fp8Recipe, role: str,
+                            comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's columns of the full sequence's transposed FP8 copy, with the scales of the WHOLE copy.
+
+    The transposed copy's groups run along tokens, across every rank's rows (a row per channel for
+    rowwise, 1x128 token tiles for blockwise), so each rank takes the amax of its part of every group,
+    the group MAX-reduces them (a (in, groups) fp32 tensor, <= 1/32 of the FP8 bytes) and every rank
+    quantizes its own high-precision shard with the full group's scale: one rounding, bit-identical to
+    what a TP=1 run quantizes, and only the FP8 bytes need to be re-gathered for wgrad.
+    """
+    gran = local.granularity
+    if gran is Granularity.TENSORWISE:  # one scale, agreed before the gather: the same bytes, moved
+        return local.data.t().contiguous(), local.scale_inv
+    rows, cols = x2d.shape
+    total = rows * comm.size
+    if gran is Granularity.ROWWISE:
+        group = torch.zeros(rows, dtype=torch.long, device=x2d.device)
+    else:
+        group = torch.arange(comm.rank * rows, (comm.rank + 1) * rows, device=x2d.device) // BLOCK
+    xt = x2d.detach().t().float()
+    amax = xt.new_zeros(cols, 1 if gran is Granularity.ROWWISE else math.ceil(total / BLOCK))
+    amax.scatter_reduce_(1, group.expand(cols, rows), xt.abs(), "amax")  # NaN propagates, as in the quantizer
+    comm.sync_amax(amax)
+    fmt = fp8_format(recipe.dtype(role))
+    scale = scale_from_amax(amax, fmt.max, recipe.power_of_2_scale)
+    # x * scale is rounded exactly as the quantizer rounds it; a given scale of one only casts (saturating).
+    data_t = quantize(xt * scale[:, group], fmt.dtype, Granularity.TENSORWISE, scale=torch.ones((), device=xt.device)).data
+    return data_t, torch.ones_like(scale) / scale  # an IEEE reciprocal, as the quantizer's
+
+
+def _with_transposed_copy(full: Float8Tensor, power_of_2_scale: bool) -> Float8Tensor:
+    """Add the transposed copy of a gathered tensor. Tensorwise: the same bytes, moved. Row/1x128 groups of
+    the transposed copy span every rank's rows: re-quantize the gathered FP8 values straight into the
+    transposed layout (a second rounding, instead of gathering twice)."""
+    if full.granularity is Granularity.TENSORWISE:
         return dataclasses.replace(full, data_t=full.data.t().contiguous(), scale_inv_t=full.scale_inv)
-    # Row/1x128 groups of the transposed copy span every rank's rows: re-quantize the gathered FP8
-    # values along the other axis (a second rounding of already-FP8 values, instead of gathering twice).
-    q = quantize(full.dequantize(), full.fp8_dtype, gran, power_of_2_scale=recipe.power_of_2_scale, transpose=True)
-    return dataclasses.replace(full, data_t=q.data_t, scale_inv_t=q.scale_inv_t)
+    q = quantize(full.dequantize().t(), full.fp8_dtype, full.granularity, power_of_2_scale=power_of_2_scale)
+    return dataclasses.replace(full, data_t=q.data, scale_inv_t=q.scale_inv)
+
+
+def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's fp32 gradient: added into `param.main_grad` (any float dtype; None is returned, so
+    `.grad` stays None), or returned in the parameter's dtype for autograd to accumulate."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        return grad.to(param.dtype)
+    main_grad.add_(grad.view_as(main_grad))  # computed in fp32, rounded once into a bf16 buffer
+    return None
+
+
+def _wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+           column_scale: torch.Tensor | None) -> torch.Tensor | None:
+    main_grad = getattr(weight, "main_grad", None)
+    if (main_grad is not None and main_grad.dtype == torch.float32 and column_scale is None
+            and main_grad.is_contiguous()):
+        fp8_gemm_operands(dy_t, x_t, torch.float32, out=main_grad)  # accumulate inside the GEMM: no temporary
+        return None
+    grad = fp8_gemm_operands(dy_t, x_t, torch.float32)
+    if column_scale is not None:
+        grad.mul_(column_scale)  # Smooth-SwiGLU: d(W/s)/dW = 1/s per column, exact for powers of two
+    return route_grad(weight, grad)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, recipe: Fp8Recipe, layer: Fp8GemmModule,
-                sp_input: SequenceParallelComm | None, sp_output: SequenceParallelComm | None):
+    def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, args: Fp8LinearArgs):
+        recipe, layer = args.recipe, args.layer
         x2d = x.reshape(-1, x.shape[-1])
         needs_wgrad = ctx.needs_input_grad[1]  # grad mode is off inside forward; ask autograd instead
-        x_fp8 = _quantize_maybe_gathered(x2d, recipe, "input", layer, needs_wgrad, sp_input)
-        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x.dtype, bias)
-        if sp_output is not None:
-            y = sp_output.reduce_scatter_rows(y)  # row-parallel partial sums -> this rank's sequence shard
-
-        ctx.recipe, ctx.layer, ctx.weight_fp8 = recipe, layer, weight_fp8  # the module owns the FP8 weight
-        ctx.sp_input, ctx.sp_output, ctx.x_dtype, ctx.x_shape = sp_input, sp_output, x.dtype, x.shape
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        if needs_wgrad:
-            x_t, x_scale_t = x_fp8.col_major()  # only the transposed FP8 bytes survive forward
-            ctx.save_for_backward(x_t, x_scale_t, weight)
+        if args.sp_input is not None:
+            pending, local = _gather_quantized(x2d, recipe, "input", layer, args.sp_input, args.observe)
+            # Only this rank's shard of x^T is kept (Megatron/TE keep the local shard too); built while
+            # the gather is in flight.
+            x_t = _local_transposed_shard(x2d, local, recipe, "input", args.sp_input) if needs_wgrad else None
+            x_fp8 = pending.wait()
         else:
-            ctx.save_for_backward(None, None, weight)
+            x_fp8 = quantize_operand(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer,
+                                     observe=args.observe)
+            x_t = x_fp8.col_major() if needs_wgrad else None
+        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x.dtype, bias)
+        if args.sp_output is not None:
+            y = args.sp_output.reduce_scatter_rows_async(y).wait()  # partial sums -> this rank's sequence shard
+
+        ctx.args, ctx.weight_fp8 = args, weight_fp8  # the module owns the FP8 weight
+        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
+        ctx.save_for_backward(*(x_t or (None, None)), weight, bias)
         return y.view(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 changes by the TP size under sequence parallel
 
     @staticmethod
     def backward(ctx, grad_output):
-        x_t, x_scale_t, weight = ctx.saved_tensors
-        recipe, layer = ctx.recipe, ctx.layer
-        dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        x_t, x_scale_t, weight, bias = ctx.saved_tensors
+        args = ctx.args
+        recipe, layer = args.recipe, args.layer
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy_fp8 = _quantize_maybe_gathered(dy2d, recipe, "grad_output", layer, needs_wgrad, ctx.sp_output)
+        # Under SP the saved x^T is this rank's columns: re-gather them while dY is quantized and dgrad runs.
+        x_t_pending = args.sp_input.gather_cols_async(x_t) if needs_wgrad and args.sp_input is not None else None
 
-        # ---- dgrad: dX = dY @ W ----
-        grad_input = None
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        if args.sp_output is not None:
+            pending, _ = _gather_quantized(dy2d, recipe, "grad_output", layer, args.sp_output, args.observe)
+            dy_fp8 = pending.wait()
+            dy_fp8 = _with_transposed_copy(dy_fp8, recipe.power_of_2_scale) if needs_wgrad else dy_fp8
+        else:
+            dy_fp8 = quantize_operand(dy2d, recipe, "grad_output", layer.scaling_state("grad_output", recipe),
+                                      needs_wgrad, layer, observe=args.observe)
+
+        # ---- dgrad: dX = dY @ W, reduced over TP (SP: reduce-scatter, else all-reduce) in the background ----
+        dgrad_pending = None
         if needs_dgrad:
             grad_input = fp8_gemm_operands(dy_fp8.row_major(), ctx.weight_fp8.col_major(), ctx.x_dtype)
-            if ctx.sp_input is not None:
-                grad_input = ctx.sp_input.reduce_scatter_rows(grad_input)
-            grad_input = grad_input.view(ctx.x_shape)
+            if args.sp_input is not None:
+                dgrad_pending = args.sp_input.reduce_scatter_rows_async(grad_input)
+            elif args.tp_input is not None:
+                dgrad_pending = args.tp_input.all_reduce_async(grad_input)
+            else:
+                dgrad_pending = _Done(grad_input)
 
-        # ---- wgrad: dW = dY^T @ x ----
+        # ---- wgrad: dW = dY^T @ x, while dgrad's reduction is in flight ----
         grad_weight = None
         if needs_wgrad:
-            main_grad = getattr(weight, "main_grad", None)
-            if main_grad is not None:
-                # Accumulate across micro-batches straight into the fp32 buffer the optimizer reads.
-                fp8_gemm_operands(dy_fp8.col_major(), (x_t, x_scale_t), torch.float32, out=main_grad)
-            else:
-                grad_weight = fp8_gemm_operands(dy_fp8.col_major(), (x_t, x_scale_t), weight.dtype)
+            if x_t_pending is not None:
+                x_t = x_t_pending.wait()
+            grad_weight = _wgrad(dy_fp8.col_major(), (x_t, x_scale_t), weight, args.wgrad_column_scale)
 
         grad_bias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = dy2d.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = route_grad(bias, dy2d.sum(dim=0, dtype=torch.float32))
+        grad_input = dgrad_pending.wait().view(ctx.x_shape) if dgrad_pending is not None else None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class _BiasAdd(torch.autograd.Function):
+    """y + b whose bias gradient is routed like the op's (into `bias.main_grad` when it exists)."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        ctx.save_for_backward(bias)
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (bias,) = ctx.saved_tensors
+        grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_bias = route_grad(bias, grad_output.reshape(-1, bias.numel()).sum(dim=0, dtype=torch.float32))
+        return grad_output, grad_bias
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y + bias, with the bias gradient routed into `bias.main_grad` when it exists (see route_grad)."""
+    return _BiasAdd.apply(y, bias)
 
 
 def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
@@ -160,11 +318,17 @@ def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tenso
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_fp8: Float8Tensor,
                recipe: Fp8Recipe, layer: Fp8GemmModule, sp_input: SequenceParallelComm | None = None,
-               sp_output: SequenceParallelComm | None = None) -> torch.Tensor:
-    """The FP8 linear autograd op. Sequence parallelism (tensor-parallel layers):
+               sp_output: SequenceParallelComm | None = None, *, tp_input: SequenceParallelComm | None = None,
+               observe: bool = True, wgrad_column_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 linear autograd op. `weight` is the leaf Parameter (its values are not read: `weight_fp8`
+    is the GEMM operand); its gradient and the bias's are routed into `main_grad` when it exists.
+    Tensor parallelism (communication inside the op, so it can overlap the GEMMs):
     sp_input   x is this rank's sequence shard: quantized once, all-gathered as FP8; dgrad is reduce-scattered.
     sp_output  the output partial sums are reduce-scattered to this rank's shard; in backward the output
-               gradient shard is quantized once and all-gathered as FP8 for dgrad and wgrad."""
+               gradient shard is quantized once and all-gathered as FP8 for dgrad and wgrad.
+    tp_input   (no SP) x is replicated over TP: dgrad is all-reduced, overlapped with wgrad.
+    wgrad_column_scale  multiplies wgrad's columns (Smooth-SwiGLU's 1/s; `weight_fp8` holds W / s)."""
     if sp_output is not None and bias is not None:
         raise ValueError("a bias inside a reduce-scattered GEMM would be summed once per rank: add it after")
-    return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, recipe, layer, sp_input, sp_output)
+    args = Fp8LinearArgs(recipe, layer, sp_input, sp_output, tp_input, observe, wgrad_column_scale)
+    return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, args)

@@ -6,11 +6,11 @@ the collectives, never through arbitrary torch ops, so a subclass would add disp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from megafp8_kernels import Fp8Quantized, Granularity, dequantize, fp8_format, scale_shape
+from megafp8_kernels import Fp8Quantized, Granularity, dequantize, fp8_format, quantize, scale_shape
 
 
 @dataclass
@@ -44,6 +44,20 @@ class Float8Tensor:
         if self.data_t is None:
             raise RuntimeError("this Float8Tensor holds no transposed copy: quantize with transpose=True")
         return self.data_t, self.scale_inv_t
+
+    def with_transpose(self, power_of_2_scale: bool = False) -> Float8Tensor:
+        """This tensor with its transposed copy derived from the row-major one (if it lacks it).
+
+        Tensorwise and 128x128 tiles: the same groups, so the same bytes moved (exact). Rowwise: the
+        transposed copy has one scale per column, so the FP8 values are re-quantized along the other axis
+        (a second rounding; hand over `data_t` quantized from high precision to avoid it)."""
+        if self.data_t is not None:
+            return self
+        data, scale_inv = self.row_major()
+        if self.granularity in (Granularity.TENSORWISE, Granularity.BLOCK_128X128):
+            return replace(self, data_t=data.t().contiguous(), scale_inv_t=scale_inv.t().contiguous())
+        q = quantize(self.dequantize().t(), self.fp8_dtype, self.granularity, power_of_2_scale=power_of_2_scale)
+        return replace(self, data_t=q.data, scale_inv_t=q.scale_inv)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.data is not None:

@@ -18,6 +18,8 @@ element, and their scales are charged separately under the same kind, so an FP8 
 is exactly what a uint8 + fp32-scale transfer costs.
 
 These wrappers are not differentiable (inputs are detached); ``mappings`` pairs them into autograd Functions.
+The ``*_async`` variants return a ``PendingCollective`` whose ``wait()`` gives the result, so a caller can
+compute while the collective is in flight (the FP8 linear runs wgrad under the dgrad reduce-scatter).
 """
 from __future__ import annotations
 
@@ -49,24 +51,32 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class CommCounters:
-    """Bytes sent by this rank per collective kind, reset by the training loop once per iteration."""
+    """Bytes sent by this rank per collective kind (and how many collectives), reset by the training loop
+    once per iteration."""
 
     def __init__(self) -> None:
         self._bytes = dict.fromkeys(COMM_KINDS, 0)
+        self._calls = dict.fromkeys(COMM_KINDS, 0)
 
     def add(self, kind: str, nbytes: int) -> None:
         if kind not in self._bytes:
             raise KeyError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}")
         self._bytes[kind] += int(nbytes)
+        self._calls[kind] += 1
 
     def __getitem__(self, kind: str) -> int:
         return self._bytes[kind]
+
+    def calls(self, kind: str) -> int:
+        """Collectives of this kind issued since the last reset (one per add)."""
+        return self._calls[kind]
 
     def snapshot(self) -> dict[str, int]:
         return dict(self._bytes)
 
     def reset(self) -> None:
         self._bytes = dict.fromkeys(COMM_KINDS, 0)
+        self._calls = dict.fromkeys(COMM_KINDS, 0)
 
     def snapshot_and_reset(self) -> dict[str, int]:
         """What `comm_bytes` in metrics.jsonl records for one iteration."""
@@ -97,6 +107,22 @@ class GroupHandle:
         return cls(group=None, ranks=(global_rank,), rank=0, counters=counters or CommCounters())
 
 
+class PendingCollective:
+    """A collective in flight: ``wait()`` blocks until it is done and returns its result (then idempotent)."""
+
+    def __init__(self, result, work: dist.Work | None = None, finish=None) -> None:
+        self._result, self._work, self._finish = result, work, finish
+
+    def wait(self):
+        """The result; ``finish`` (if given) post-processes the raw output once, after the transfer."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
+        return self._result
+
+
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
     # gloo and some NCCL builds reject float8 dtypes; the bytes are what matter on the wire.
     return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
@@ -106,7 +132,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
+def all_gather_into_tensor_async(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle,
+                                 kind: str) -> PendingCollective:
     """Gather equal-sized ``input_`` from every group member into ``output`` (concatenated along dim 0).
 
     Accepts float8 tensors (sent as uint8). ``output`` must be contiguous with ``size * input_.numel()``
@@ -117,10 +144,16 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, handle: G
                          f"{handle.size} x input {tuple(input_.shape)} {input_.dtype}")
     if handle.size == 1:
         output.copy_(input_.reshape(output.shape))
-        return output
+        return PendingCollective(output)
     handle.counters.add(kind, _nbytes(input_) * (handle.size - 1))
-    _all_gather_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group)
-    return output
+    work = _all_gather_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
+                              async_op=True)
+    return PendingCollective(output, work)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
+    """Blocking all_gather_into_tensor_async."""
+    return all_gather_into_tensor_async(output, input_, handle, kind).wait()
 
 
 def all_gather(input_: torch.Tensor, handle: GroupHandle, kind: str, dim: int = 0) -> torch.Tensor:
@@ -140,30 +173,55 @@ def all_gather(input_: torch.Tensor, handle: GroupHandle, kind: str, dim: int = 
     return gathered.movedim(0, dim).contiguous()
 
 
-def all_gather_quantized(data: torch.Tensor, scale_inv: torch.Tensor, handle: GroupHandle,
-                         kind: str = "tp_sp_allgather") -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather an FP8 payload (dim 0) and its scales: one byte per element plus the scale tensor.
+def all_gather_quantized_async(data: torch.Tensor, scale_inv: torch.Tensor, handle: GroupHandle,
+                               kind: str = "tp_sp_allgather") -> PendingCollective:
+    """All-gather an FP8 payload (dim 0) and its fp32 scales in ONE collective: each member sends its bytes
+    followed by its scales' bytes; ``wait()`` returns ``(data, scales)``.
 
     A per-tensor scale (0-dim) comes back as one scale per member, shape ``(size,)``; row/block scales
     whose dim 0 follows the payload's rows are concatenated along dim 0 like the payload.
     """
-    gathered_data = all_gather(data, handle, kind, dim=0)
     scales = scale_inv.reshape(1) if scale_inv.dim() == 0 else scale_inv
-    gathered_scales = all_gather(scales, handle, kind, dim=0)
-    return gathered_data, gathered_scales
+    if handle.size == 1:
+        return PendingCollective((data, scales))
+    n, data_bytes = handle.size, data.numel()
+    packed = torch.cat([_wire_view(data.contiguous()).reshape(-1), scales.reshape(-1).contiguous().view(torch.uint8)])
+    gathered = torch.empty(n * packed.numel(), dtype=torch.uint8, device=packed.device)
+
+    def unpack(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_rank = flat.view(n, -1)
+        all_data = per_rank[:, :data_bytes].reshape(n * data.shape[0], *data.shape[1:]).view(data.dtype)
+        all_scales = per_rank[:, data_bytes:].contiguous().view(scales.dtype)
+        return all_data, all_scales.reshape(n * scales.shape[0], *scales.shape[1:])
+
+    in_flight = all_gather_into_tensor_async(gathered, packed, handle, kind)
+    return PendingCollective(in_flight, finish=lambda pending: unpack(pending.wait()))
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
+def all_gather_quantized(data: torch.Tensor, scale_inv: torch.Tensor, handle: GroupHandle,
+                         kind: str = "tp_sp_allgather") -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocking all_gather_quantized_async: ``(data, scales)`` of every member, one collective."""
+    return all_gather_quantized_async(data, scale_inv, handle, kind).wait()
+
+
+def reduce_scatter_tensor_async(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle,
+                                kind: str) -> PendingCollective:
     """Sum ``input_`` over the group and keep this member's dim-0 chunk in ``output``."""
     if input_.numel() != output.numel() * handle.size:
         raise ValueError(f"reduce_scatter_tensor: input {tuple(input_.shape)} is not {handle.size} x output "
                          f"{tuple(output.shape)}")
     if handle.size == 1:
         output.copy_(input_.reshape(output.shape))
-        return output
+        return PendingCollective(output)
     handle.counters.add(kind, _nbytes(output) * (handle.size - 1))
-    _reduce_scatter_single(output, input_.detach().contiguous(), op=dist.ReduceOp.SUM, group=handle.group)
-    return output
+    work = _reduce_scatter_single(output, input_.detach().contiguous(), op=dist.ReduceOp.SUM, group=handle.group,
+                                  async_op=True)
+    return PendingCollective(output, work)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
+    """Blocking reduce_scatter_tensor_async."""
+    return reduce_scatter_tensor_async(output, input_, handle, kind).wait()
 
 
 def reduce_scatter(input_: torch.Tensor, handle: GroupHandle, kind: str, dim: int = 0) -> torch.Tensor:
@@ -180,14 +238,19 @@ def reduce_scatter(input_: torch.Tensor, handle: GroupHandle, kind: str, dim: in
     return output.movedim(0, dim).contiguous() if dim else output
 
 
+def all_reduce_async(tensor: torch.Tensor, handle: GroupHandle, kind: str,
+                     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> PendingCollective:
+    """In-place all-reduce of ``tensor``, in flight until ``wait()`` (which returns it)."""
+    if handle.size == 1:
+        return PendingCollective(tensor)
+    handle.counters.add(kind, 2 * _nbytes(tensor) * (handle.size - 1) // handle.size)
+    return PendingCollective(tensor, dist.all_reduce(tensor, op=op, group=handle.group, async_op=True))
+
+
 def all_reduce(tensor: torch.Tensor, handle: GroupHandle, kind: str,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``tensor``; returns it for chaining."""
-    if handle.size == 1:
-        return tensor
-    handle.counters.add(kind, 2 * _nbytes(tensor) * (handle.size - 1) // handle.size)
-    dist.all_reduce(tensor, op=op, group=handle.group)
-    return tensor
+    return all_reduce_async(tensor, handle, kind, op).wait()
 
 
 def split_along_dim(input_: torch.Tensor, handle: GroupHandle, dim: int = 0) -> torch.Tensor:

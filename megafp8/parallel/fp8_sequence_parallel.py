@@ -15,26 +15,53 @@ from megafp8_kernels import Granularity
 
 class TensorParallelSequenceComm:
     """megafp8.fp8.SequenceParallelComm over a TP group. Rows are [s, b]-flattened tokens, so dim 0
-    is the sequence and a row all-gather is the sequence all-gather."""
+    is the sequence and a row all-gather is the sequence all-gather. Every method but sync_amax returns
+    a collective in flight (wait() gives the result), so the FP8 op can overlap it with a GEMM."""
 
     def __init__(self, tp: GroupHandle):
         self.tp = tp
 
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
+
     def sync_amax(self, amax: torch.Tensor) -> None:
         C.all_reduce(amax, self.tp, "amax_reduce", op=dist.ReduceOp.MAX)
 
-    def gather_rows(self, x: Float8Tensor) -> Float8Tensor:
+    def gather_rows_async(self, x: Float8Tensor) -> C.PendingCollective:
+        rows, cols = x.shape
+        shape = (rows * self.tp.size, cols)
         if x.granularity is Granularity.TENSORWISE:
             # Every rank quantized with the same scale (delayed: synchronized; current: sync_amax),
             # so only the bytes travel.
-            data, scales = C.all_gather(x.data, self.tp, "tp_sp_allgather", dim=0), x.scale_inv
-        else:
-            data, scales = C.all_gather_quantized(x.data, x.scale_inv, self.tp, "tp_sp_allgather")
-        rows, cols = x.shape
-        return Float8Tensor((rows * self.tp.size, cols), x.fp8_dtype, x.granularity, data, scales)
+            gathered = torch.empty(shape, dtype=x.data.dtype, device=x.data.device)
+            pending = C.all_gather_into_tensor_async(gathered, x.data, self.tp, "tp_sp_allgather")
+            return C.PendingCollective(pending, finish=lambda p: Float8Tensor(
+                shape, x.fp8_dtype, x.granularity, p.wait(), x.scale_inv))
+        # Per-row / per-1x128 scales differ by rank: bytes and scales travel together, in one collective.
+        pending = C.all_gather_quantized_async(x.data, x.scale_inv, self.tp, "tp_sp_allgather")
+        return C.PendingCollective(pending, finish=lambda p: Float8Tensor(
+            shape, x.fp8_dtype, x.granularity, *p.wait()))
 
-    def reduce_scatter_rows(self, t: torch.Tensor) -> torch.Tensor:
-        return C.reduce_scatter(t, self.tp, "tp_reduce_scatter", dim=0)
+    def gather_cols_async(self, data_t: torch.Tensor) -> C.PendingCollective:
+        cols, rows = data_t.shape
+        n = self.tp.size
+        gathered = torch.empty((n * cols, rows), dtype=data_t.dtype, device=data_t.device)
+        pending = C.all_gather_into_tensor_async(gathered, data_t, self.tp, "tp_sp_allgather")
+        # Each rank sent its (cols, rows) block; place them side by side: (cols, n * rows). One byte per element.
+        return C.PendingCollective(pending, finish=lambda p: (
+            p.wait().view(n, cols, rows).permute(1, 0, 2).reshape(cols, n * rows) if n > 1 else p.wait()))
+
+    def reduce_scatter_rows_async(self, t: torch.Tensor) -> C.PendingCollective:
+        output = torch.empty((t.shape[0] // self.tp.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return C.reduce_scatter_tensor_async(output, t, self.tp, "tp_reduce_scatter")
+
+    def all_reduce_async(self, t: torch.Tensor) -> C.PendingCollective:
+        return C.all_reduce_async(t, self.tp, "tp_allreduce")
 
 
 def fp8_scaling_manager(model: nn.Module, parallel_state: ParallelState) -> Fp8ScalingManager:

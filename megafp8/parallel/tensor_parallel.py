@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8.fp8 import Fp8GemmModule, Fp8Recipe
+from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, add_bias
 from megafp8.parallel import collectives as C
 from megafp8.parallel.fp8_sequence_parallel import TensorParallelSequenceComm
 from megafp8.parallel.mappings import (
@@ -104,29 +104,32 @@ class ColumnParallelLinear(Fp8GemmModule):
         else:
             self.register_parameter("bias", None)
         self.set_recipe(fp8_recipe)
-        self._sp_comm = TensorParallelSequenceComm(self.tp) if self.sequence_parallel else None
+        self._tp_comm = TensorParallelSequenceComm(self.tp)  # the FP8 op's collectives (async, overlapped)
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation: pass `weight`")
             weight = self.weight
-        if not self.sequence_parallel:
-            input_ = copy_to_tensor_model_parallel_region(input_, self.tp)
         output = self._forward_impl(input_, weight)
         if self.bias is not None:
-            output = output + self.bias
+            output = add_bias(output, self.bias)  # its grad goes to bias.main_grad when that exists
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp)
         return output
 
     def _forward_impl(self, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Sequence all-gather (under SP) + local GEMM; in FP8 the gather moves FP8 bytes."""
-        return self.linear(input_, weight, sp_input=self._sp_comm, high_precision=self._high_precision_impl)
+        """Entering the TP region + local GEMM. In FP8 the op does the communication itself: under SP it
+        all-gathers FP8 bytes and reduce-scatters dgrad, without SP it all-reduces dgrad, overlapped with wgrad."""
+        if self.sequence_parallel:
+            return self.linear(input_, weight, sp_input=self._tp_comm, high_precision=self._high_precision_impl)
+        return self.linear(input_, weight, tp_input=self._tp_comm, high_precision=self._high_precision_impl)
 
     def _high_precision_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, self.tp)
+        else:
+            input_ = copy_to_tensor_model_parallel_region(input_, self.tp)
         return F.linear(input_, weight, bias)
 
     def extra_repr(self) -> str:
@@ -177,7 +180,7 @@ class RowParallelLinear(Fp8GemmModule):
         else:
             self.register_parameter("bias", None)
         self.set_recipe(fp8_recipe)
-        self._sp_comm = TensorParallelSequenceComm(self.tp) if self.sequence_parallel else None
+        self._tp_comm = TensorParallelSequenceComm(self.tp)  # the FP8 op's collectives (async, overlapped)
 
     def forward(self, input_: torch.Tensor, input_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
         """`input_channel_scale`: Smooth-SwiGLU's per-channel scales of this rank's input columns."""
@@ -185,14 +188,14 @@ class RowParallelLinear(Fp8GemmModule):
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp)
         output = self._forward_impl(input_, input_channel_scale)
         if self.bias is not None:
-            output = output + self.bias
+            output = add_bias(output, self.bias)  # its grad goes to bias.main_grad when that exists
         return output
 
     def _forward_impl(self, input_parallel: torch.Tensor, input_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Local GEMM (FP8 when a recipe is active) and the reduction of the partial sums over TP."""
         if self.sequence_parallel:
             return self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale,
-                               sp_output=self._sp_comm, high_precision=self._high_precision_sp_impl)
+                               sp_output=self._tp_comm, high_precision=self._high_precision_sp_impl)
         partial = self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale)
         return reduce_from_tensor_model_parallel_region(partial, self.tp)
 
@@ -245,10 +248,12 @@ class VocabParallelEmbedding(nn.Module):
 
 def allreduce_sequence_parallel_grads(module: nn.Module, parallel_state: ParallelState) -> None:
     """Sum over TP the grads of replicated parameters that saw only a sequence shard (norm weights,
-    row-parallel biases under SP); call after backward, before the DP grad reduction. One collective."""
+    row-parallel biases under SP): `.grad` and `main_grad`, whichever hold gradient (see the FP8 op's
+    routing); call once after the last micro-batch's backward, before the DP grad reduction. One collective
+    (in fp32 when the buffers mix dtypes)."""
     tp = parallel_state.tp_group
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [g for p in module.parameters() if getattr(p, "sequence_parallel", False)
+             for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
     if tp.size == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
