@@ -106,8 +106,9 @@ def test_cache_is_reused_and_invalidated(tmp_path):
     prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
     write_synthetic_dataset(prefix, [50] * 20)
 
-    def build(seq_length=16, num_samples=30):
-        return GPTDataset(IndexedDataset(prefix), np.arange(20), num_samples, seq_length, seed=1, cache_dir=cache)
+    def build(seq_length=16, num_samples=30, seed=1, extra=True):
+        return GPTDataset(IndexedDataset(prefix), np.arange(20), num_samples, seq_length, seed=seed, cache_dir=cache,
+                          add_extra_token_to_sequence=extra)
 
     first = build()
     assert not first.cache_hit and build().cache_hit
@@ -115,11 +116,13 @@ def test_cache_is_reused_and_invalidated(tmp_path):
     assert not build(seq_length=32).cache_hit  # a parameter changed: rebuilt, never the old arrays
     assert len(build(seq_length=32)[0]["tokens"]) == 33
     assert not build(num_samples=31).cache_hit
+    assert not build(seed=2).cache_hit
+    assert not build(extra=False).cache_hit and len(build(extra=False)[0]["tokens"]) == 16
 
     write_synthetic_dataset(prefix, [50] * 19 + [51])  # the data changed under the same prefix
     assert not build().cache_hit
     files = os.listdir(cache)
-    assert len([f for f in files if f.endswith("description.json")]) == 4 and not any(".tmp" in f for f in files)
+    assert len([f for f in files if f.endswith("description.json")]) == 6 and not any(".tmp" in f for f in files)
 
 
 def test_too_little_data_is_a_clear_error(tmp_path):

@@ -10,7 +10,7 @@ import functools
 import math
 import os
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -98,8 +98,14 @@ def build_train_valid_test_datasets(
                                           requested[s], blend_cache))
         else:
             member_weights = normalize_weights([weights[d] for d in members]).tolist()
+            size = requested[s]
+            if size is None:
+                # One epoch of the blend: as many samples as fit before any member repeats.
+                epochs = [samples_in(int(np.asarray(datasets[d].sequence_lengths)[documents[d]].sum(dtype=np.int64)),
+                                     seq_length, int(add_extra_token_to_sequence)) for d in members]
+                size = int(min(count / w for count, w in zip(epochs, member_weights)))
             built.append(_blend_by_weight([datasets[d] for d in members], [documents[d] for d in members],
-                                          member_weights, requested[s], gpt, blend_cache))
+                                          member_weights, size, gpt, blend_cache))
     return tuple(built)
 
 
@@ -111,14 +117,8 @@ def mid_level_sizes(weights: Sequence[float], size: int) -> tuple[list[int], lis
 
 
 def _blend_by_weight(datasets: list[IndexedDataset], documents: list[np.ndarray], weights: list[float],
-                     size: int | None, gpt, cache: str) -> BlendedDataset:
+                     size: int, gpt: Callable[..., GPTDataset], cache: str) -> BlendedDataset:
     """Megatron's weighted blend: members sized by share plus surplus, the blend as long as the shares' sum."""
-    if size is None:
-        # One epoch of the blend: as many samples as possible before any member repeats.
-        extra = 1 if gpt.keywords["add_extra_token"] else 0
-        epochs = [samples_in(int(np.asarray(ds.sequence_lengths)[docs].sum(dtype=np.int64)),
-                             gpt.keywords["seq_length"], extra) for ds, docs in zip(datasets, documents)]
-        size = int(min(count / w for count, w in zip(epochs, weights)))
     targets, buffers = mid_level_sizes(weights, size)
     members = [gpt(ds, docs, buffer) for ds, docs, buffer in zip(datasets, documents, buffers)]
     size = sum(targets)
