@@ -94,7 +94,7 @@ def build_sample_index(
     available = samples_in(int(ends[-1]) if len(ends) else 0, seq_length, extra)
     if num_samples is None:
         num_samples = available
-    if num_samples > available or (num_samples == 0 and len(ends) == 0):
+    if num_samples > available:
         raise ValueError(f"{num_samples} samples of {seq_length} tokens need more tokens than the document index has")
     positions = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
     # The row holding token p (with the extra token) or token p - 1 (without): the first row ending after it.
