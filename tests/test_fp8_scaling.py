@@ -2,7 +2,9 @@
 history roll and amax edge cases, O(1) device ops per update whatever the layer count, the flat-buffer
 views through casts / loads / a second manager, is_cold, tolerant loads (an HF checkpoint into a delayed
 FP8 GPTModel), and the once-per-step amax all-reduce across 2 real gloo ranks."""
+import copy
 import math
+import pickle
 import random
 import warnings
 
@@ -219,6 +221,19 @@ def test_update_issues_the_same_few_ops_at_any_layer_count():
     assert not any("lift_fresh" in op or "_to_copy" in op for op in large), "no host-to-device copies per step"
 
 
+def test_two_models_with_their_own_managers_do_not_make_each_other_rebuild():
+    models = [_gpt_like_states(2), _gpt_like_states(3)]
+    managers = [Fp8ScalingManager(model, None) for model in models]
+    for step in range(3):
+        for model, manager in zip(models, managers):
+            for state in (m for m in model.modules() if isinstance(m, ScalingState)):
+                state.observe(torch.tensor(1.0 + step))
+            with _OpCounter() as counter:
+                manager.update()
+            if step > 0:  # the first step builds each manager's flat buffers; no rebuild after that
+                assert len(counter.ops) <= 25, counter.ops
+
+
 # ---- flat buffers: views through casts, loads and a second manager ----
 
 def _observed_step(model: nn.Module, manager: Fp8ScalingManager, amax: float) -> None:
@@ -249,6 +264,8 @@ def test_states_are_views_of_flat_buffers_that_survive_casts_loads_and_a_second_
     _observed_step(model, manager, 0.5)
     assert all(s.amax_history[:3].tolist() == [0.5, 7.0, 3.0] for s in manager.states())
 
+    copied = pickle.loads(pickle.dumps(copy.deepcopy(model)))  # copies belong to no manager
+    assert all(s._owner is None for s in copied.modules() if isinstance(s, ScalingState))
     other = Fp8ScalingManager(model, None)  # takes the states over; the first one rebuilds when used again
     _observed_step(model, other, 0.25)
     _observed_step(model, manager, 0.125)

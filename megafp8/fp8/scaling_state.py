@@ -21,13 +21,14 @@ fp32 tensors (one row per state; histories zero-padded to the longest) and point
 at views of them. The views are ordinary buffers: state_dict() and checkpoints see
 `...fp8_scaling.<role>.amax_history` / `.scale` exactly as before, and load_state_dict() copies into
 them in place, so the views stay valid. Whatever may replace a state's tensors (a new state, `.to()` or a
-cast, a load with `assign=True`, another manager adopting the states) bumps a class-wide layout version;
-the manager compares one integer per update and, when it changed, rebuilds the flat tensors from the
-states' current values before updating.
+cast, a load with `assign=True`) bumps a class-wide layout version, and a manager adopting states marks
+their previous manager's buffers stale; a manager checks one integer and one flag per update and, when
+either says so, rebuilds its flat tensors from the states' current values before updating.
 """
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -70,6 +71,7 @@ class ScalingState(nn.Module):
         self._warm = False
         self._observed_at: int | None = None  # clock value of the first observe() while cold
         self._clock = UpdateClock()
+        self._owner: weakref.ref[FlatScalingBuffers] | None = None  # the flat buffers this state views
         _bump_layout_version()
 
     @property
@@ -96,16 +98,24 @@ class ScalingState(nn.Module):
         self.pending_amax.zero_()
         self._warm, self._observed_at = False, None
 
-    def bind(self, amax_history: torch.Tensor, scale: torch.Tensor, pending_amax: torch.Tensor,
-             clock: UpdateClock) -> None:
-        """Use these tensors (views into a manager's flat buffers, holding this state's values) from now on."""
+    def bind(self, owner: FlatScalingBuffers, amax_history: torch.Tensor, scale: torch.Tensor,
+             pending_amax: torch.Tensor, clock: UpdateClock) -> None:
+        """Use these tensors (views into `owner`'s flat buffers, holding this state's values) from now on."""
+        previous = self._owner() if self._owner is not None else None
+        if previous is not None and previous is not owner:
+            previous.stale = True  # its manager must not update tensors this state no longer uses
+        self._owner = weakref.ref(owner)
         warm = not self.is_cold
         pending_observation = not warm and self._observed_at is not None
         self._buffers["amax_history"], self._buffers["scale"] = amax_history, scale
         self._buffers["pending_amax"] = pending_amax
         self._clock, self._warm = clock, warm
         self._observed_at = clock.updates if pending_observation else None
-        _bump_layout_version()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_owner"] = None  # a copy or unpickled model is nobody's until a manager binds it
+        return state
 
     def _apply(self, fn, recurse=True):
         # model.bfloat16() / .half() must not round histories and scales: keep the fp32 values on any device.
@@ -151,6 +161,7 @@ class FlatScalingBuffers:
         device = devices.pop()
         lengths = [s.amax_history.numel() for s in states]
         self.states = states
+        self.stale = False
         self.history = torch.zeros(len(states), max(lengths), device=device)
         for row, (state, length) in enumerate(zip(states, lengths)):  # at (re)build only, not per step
             self.history[row, :length].copy_(state.amax_history)
@@ -173,7 +184,7 @@ class FlatScalingBuffers:
         self.in_history = (torch.arange(max(lengths), device=device) < per_state(lengths, torch.int64).unsqueeze(1)
                            if ragged else None)  # zero-padding of shorter histories stays zero
         for row, (state, length) in enumerate(zip(states, lengths)):
-            state.bind(self.history[row, :length], self.scale[row], self.pending[row], clock)
+            state.bind(self, self.history[row, :length], self.scale[row], self.pending[row], clock)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -231,7 +242,8 @@ class Fp8ScalingManager:
         return [] if flat is None else list(flat.states)
 
     def _flat_buffers(self) -> FlatScalingBuffers | None:
-        if self._built_for_layout != ScalingState.layout_version:  # one integer compare on the hot path
+        stale = self._flat is not None and self._flat.stale
+        if stale or self._built_for_layout != ScalingState.layout_version:  # O(1) on the hot path
             states = [m for m in self.model.modules() if isinstance(m, ScalingState)]
             self._flat = FlatScalingBuffers(states, self._clock) if states else None
             self._built_for_layout = ScalingState.layout_version
