@@ -34,3 +34,24 @@ def attach_main_grads(module: torch.nn.Module, dtype: torch.dtype) -> None:
     for param in module.parameters():
         param.main_grad = torch.zeros_like(param, dtype=dtype)
         param.register_post_accumulate_grad_hook(move_grad)
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward, excluding parameters (and views of them)."""
+
+    def __init__(self, params):
+        self.param_ptrs = {p.data_ptr() for p in params}
+        self.nbytes = 0
+
+    def pack(self, t):
+        if t.data_ptr() not in self.param_ptrs:
+            self.nbytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)

@@ -7,13 +7,16 @@ import torch
 import torch.nn.functional as F
 
 import megafp8.fp8.linear_function as fp8_linear_function
-from fp8_testing import attach_main_grads, gaussian_with_outlier_channels, sqnr_db
+from megafp8_kernels import Granularity, quantize
+from fp8_testing import SavedBytes, attach_main_grads, gaussian_with_outlier_channels, sqnr_db
 from megafp8.fp8 import (
+    Float8Tensor,
     Fp8Linear,
     Fp8Recipe,
     Fp8ScalingManager,
     apply_precision_map,
     fp8_autocast,
+    invalidate_fp8_weight_caches,
     layer_recipes,
     smooth_swiglu_channel_scales,
     swiglu,
@@ -63,35 +66,14 @@ def test_fp8_linear_vs_fp64(name):
     torch.testing.assert_close(layer.bias.grad.double(), dy64.sum((0, 1)), rtol=1e-5, atol=1e-6)
 
 
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward, excluding parameters (and views of them)."""
-
-    def __init__(self, params):
-        self.param_ptrs = {p.data_ptr() for p in params}
-        self.nbytes = 0
-
-    def pack(self, t):
-        if t.data_ptr() not in self.param_ptrs:
-            self.nbytes += t.numel() * t.element_size()
-        return t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-
-
 @pytest.mark.parametrize("name", ["delayed", "tensorwise", "rowwise", "blockwise"])
 def test_activation_bytes_saved_are_at_most_055x_bf16(name):
     x = torch.randn(256, 512)
     fp8 = Fp8Linear(512, 1024, recipe=RECIPES[name])
     bf16 = torch.nn.Linear(512, 1024).to(torch.bfloat16)
-    with _SavedBytes(fp8.parameters()) as fp8_saved:
+    with SavedBytes(fp8.parameters()) as fp8_saved:
         fp8(x.clone().requires_grad_())
-    with _SavedBytes(bf16.parameters()) as bf16_saved:
+    with SavedBytes(bf16.parameters()) as bf16_saved:
         bf16(x.to(torch.bfloat16).requires_grad_())
     assert bf16_saved.nbytes == 256 * 512 * 2  # BF16 keeps its input
     assert fp8_saved.nbytes <= 0.55 * bf16_saved.nbytes, (fp8_saved.nbytes, bf16_saved.nbytes)
@@ -121,6 +103,7 @@ def test_weight_quantized_once_per_step_across_micro_batches(quantize_calls, nam
         for micro in range(4):
             layer(torch.randn(16, 64)).sum().backward()
         optimizer.step()
+        invalidate_fp8_weight_caches(layer)  # the optimizer step owns invalidation
         optimizer.zero_grad()
         manager.update()
     weight_calls = [transpose for ptr, transpose in quantize_calls if ptr == layer.weight.data_ptr()]
@@ -270,3 +253,111 @@ def test_inference_builds_no_transposed_copies(quantize_calls):
         layer(torch.randn(16, 64, requires_grad=True))
     assert [transpose for _, transpose in quantize_calls] == [False, False], \
         "weight and input quantized without the backward copies"
+
+
+# ---- the FP8 weight: injection by the optimizer, explicit invalidation ----
+
+def test_flat_buffer_write_uses_the_new_weight_once_invalidated():
+    """A ZeRO-style flat parameter buffer: the Parameter's `.data` views it, and the all-gather writes the
+    buffer in place, which moves no version counter the layer can see. After the optimizer step's
+    invalidate_fp8_weight_caches the forward must use the new weight (it used the stale one: rel. error 0.99)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 32, bias=False, recipe=RECIPES["tensorwise"])
+    flat = layer.weight.detach().reshape(-1).clone()
+    layer.weight.data = flat.view(32, 64)
+    x = torch.randn(16, 64)
+    layer(x).sum().backward()  # the FP8 weight of this step is cached
+    new_weight = torch.randn(32, 64) * 0.05
+    flat.copy_(new_weight.reshape(-1))  # what an all-gather into the buffer does
+    invalidate_fp8_weight_caches(layer)  # the optimizer step's job
+    assert sqnr_db(layer(x), x @ new_weight.t()) >= 25.0
+
+
+@pytest.mark.parametrize("name", ["delayed", "tensorwise", "rowwise", "blockwise"])
+def test_injected_fp8_weight_without_high_precision_values(name):
+    """set_fp8_weight with the row-major FP8 weight only (quantized as fp8_weight_quantization says): the
+    layer derives W^T itself and never reads the Parameter's values, here a single NaN expanded to the
+    weight's shape (no high-precision copy at all). Output, dgrad and wgrad equal the layer that quantized
+    the weight itself (bit-exact: W^T is a byte transpose for tensorwise and 128x128 tiles; rowwise W^T is
+    re-quantized, so dgrad agrees to FP8 accuracy). invalidate_weight_cache() drops the injected weight."""
+    torch.manual_seed(0)
+    recipe = RECIPES[name]
+    own = Fp8Linear(256, 128, bias=False, recipe=recipe)
+    injected = copy.deepcopy(own)
+    spec = injected.fp8_weight_quantization()
+    assert (spec.fp8_dtype, spec.granularity, spec.scale) == (recipe.dtype("weight"), recipe.granularity("weight"), None)
+    q = quantize(own.weight.detach(), spec.fp8_dtype, spec.granularity, power_of_2_scale=spec.power_of_2_scale)
+    injected.set_fp8_weight(Float8Tensor.from_quantized(q, spec.granularity))
+    injected.weight.data = torch.full((), float("nan")).expand(128, 256)
+    injected.weight.main_grad = torch.zeros(128, 256)
+    own.weight.main_grad = torch.zeros(128, 256)
+
+    x, dy = torch.randn(64, 256), torch.randn(64, 128)
+    results = []
+    for layer in (own, injected):
+        x_in = x.clone().requires_grad_()
+        y = layer(x_in)
+        y.backward(dy)
+        results.append((y, x_in.grad, layer.weight.main_grad))
+    (y_own, dx_own, dw_own), (y_inj, dx_inj, dw_inj) = results
+    assert torch.equal(y_inj, y_own) and torch.equal(dw_inj, dw_own)
+    if name == "rowwise":
+        assert sqnr_db(dx_inj, dx_own) >= 25.0
+    else:
+        assert torch.equal(dx_inj, dx_own)
+    injected.invalidate_weight_cache()
+    assert torch.isnan(injected(x)).all(), "after invalidation the layer reads its (here NaN) weight again"
+
+
+def test_injected_weight_must_match_the_recipe():
+    layer = Fp8Linear(128, 128, recipe=RECIPES["rowwise"])
+    q = quantize(torch.randn(128, 128), torch.float8_e4m3fn, "tensorwise")
+    layer.set_fp8_weight(Float8Tensor.from_quantized(q, Granularity.TENSORWISE))
+    with pytest.raises(ValueError, match="injected FP8 weight is .* tensorwise"):
+        layer(torch.randn(4, 128))
+    with pytest.raises(ValueError, match="shape"):
+        layer.set_fp8_weight(Float8Tensor.from_quantized(quantize(torch.randn(64, 128), torch.float8_e4m3fn), Granularity.TENSORWISE))
+
+
+# ---- delayed scaling: cold start and evaluation ----
+
+def test_cold_start_uses_current_scaling_for_e5m2_gradients():
+    """Step 0 of a delayed recipe: the amax histories are empty (is_cold). With the initial scale 1.0,
+    E5M2 gradients of ~1e-5 flush to zero (wgrad SQNR ~0 dB); current scaling keeps them."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 128, bias=False, recipe=Fp8Recipe.delayed(fp8_format="hybrid"))
+    assert layer.fp8_scaling["grad_output"].is_cold
+    x, dy = torch.randn(64, 256), torch.randn(64, 128) * 1e-5
+    layer(x).backward(dy)
+    wgrad_db = sqnr_db(layer.weight.grad, dy.double().t() @ x.double())
+    assert wgrad_db > 20.0, wgrad_db
+    Fp8ScalingManager(layer, None).update()
+    assert not layer.fp8_scaling["grad_output"].is_cold
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad"])
+def test_evaluation_does_not_touch_delayed_scaling(mode):
+    """One eval batch with 100x activations between two training steps (the issue's scenario: it moved the
+    input scale from 119.8 to 1.36 for amax_history_len steps). Evaluation must leave every scaling state
+    exactly as a run without it."""
+    torch.manual_seed(0)
+    trained = Fp8Linear(64, 32, recipe=Fp8Recipe.delayed(amax_history_len=8))
+    with_eval = copy.deepcopy(trained)
+    managers = [Fp8ScalingManager(trained, None), Fp8ScalingManager(with_eval, None)]
+    batches = [torch.randn(16, 64) * 3 for _ in range(2)]
+    for step, x in enumerate(batches):
+        for layer, manager in zip((trained, with_eval), managers):
+            layer(x).sum().backward()
+            manager.update()
+            invalidate_fp8_weight_caches(layer)
+        if step == 0:
+            if mode == "eval":
+                with_eval.eval()
+                with_eval(batches[0] * 100).sum().backward()  # eval mode, grads still enabled
+                with_eval.train()
+            else:
+                with torch.no_grad():
+                    with_eval(batches[0] * 100)
+    states = dict(with_eval.named_buffers())
+    for name, buf in trained.named_buffers():
+        assert torch.equal(buf, states[name]), name

@@ -41,7 +41,7 @@ class Fp8GemmModule(nn.Module):
         self.telemetry_enabled = False
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
-        self._weight_cache: tuple[tuple, Float8Tensor] | None = None
+        self._weight_cache: tuple[tuple, Float8Tensor, bool] | None = None  # (key, weight, observed)
         self._injected_weight: Float8Tensor | None = None
 
     @property
@@ -88,8 +88,12 @@ class Fp8GemmModule(nn.Module):
             return self._quantize_weight(weight.detach(), recipe, transpose, observe)
         key = (recipe, weight.data_ptr(), weight._version)
         cached = self._weight_cache
-        if cached is None or cached[0] != key or (transpose and cached[1].data_t is None):
-            cached = self._weight_cache = (key, self._quantize_weight(weight.detach(), recipe, transpose, observe))
+        # An entry built by an evaluation forward did not feed the weight's amax history: a training forward
+        # re-quantizes it (and observes), so evaluating between steps leaves the scaling state unchanged.
+        if (cached is None or cached[0] != key or (transpose and cached[1].data_t is None)
+                or (observe and not cached[2])):
+            fp8 = self._quantize_weight(weight.detach(), recipe, transpose, observe)
+            cached = self._weight_cache = (key, fp8, observe or not recipe.is_delayed)
         return cached[1]
 
     def _quantize_weight(self, weight: torch.Tensor, recipe: Fp8Recipe, transpose: bool, observe: bool) -> Float8Tensor:
