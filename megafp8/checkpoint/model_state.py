@@ -27,6 +27,12 @@ def _vocab_size(model: nn.Module) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
+def checkpoint_key(name: str, param: torch.Tensor | None) -> str:
+    """The layout-free checkpoint name of parameter ``name`` (optimizer state keyed by parameter should
+    use it too, so the last stage's tied output weight and the PP=1 embedding share one entry)."""
+    return TIED_EMBEDDING if param is not None and getattr(param, "shared_embedding", False) else name
+
+
 def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_state: ParallelState, *,
                            params_only: bool = False) -> dict[str, torch.Tensor | ShardedChunks]:
     """``{name: tensor or ShardedChunks}`` for every model chunk this rank holds; the values are views of
@@ -37,6 +43,7 @@ def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_sta
     chunks = [models] if isinstance(models, nn.Module) else list(models)
     tp_rank, tp_size = parallel_state.coords.tp, parallel_state.tp_size
     state: dict[str, torch.Tensor | ShardedChunks] = {}
+    owners: dict[str, torch.Tensor] = {}
     for model in chunks:
         params = dict(model.named_parameters())
         vocab_size = _vocab_size(model)
@@ -44,9 +51,12 @@ def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_sta
             param = params.get(name)
             if params_only and param is None:
                 continue
-            key = TIED_EMBEDDING if param is not None and getattr(param, "shared_embedding", False) else name
+            key = checkpoint_key(name, param)
             if key in state:
+                if owners[key] is tensor:  # V schedules: the two end chunks share one embedding Parameter
+                    continue
                 raise ValueError(f"model state: two model chunks both hold {key!r}")
+            owners[key] = tensor
             local = tensor.detach()
             state[key] = tensor_parallel_state(local, param, tp_rank, tp_size, vocab_size) if param is not None else local
     return state
