@@ -26,26 +26,50 @@ from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 
 
+def _reduce_buffer(t: torch.Tensor, reuse: bool) -> torch.Tensor:
+    """The tensor an in-place all-reduce may write: `t`'s own storage when the caller lends it, else a copy.
+
+    Lending is what the layers do (no activation-sized copy, as in Megatron): the partial output of a
+    GEMM or embedding, and the dgrad a GEMM just produced, are fresh tensors nobody else reads. A plain
+    call copies, because the all-reduce overwrites its buffer: a caller's tensor, a gradient autograd
+    hands to several branches (an add passes one tensor to both) or `y.backward(g)`'s `g` would change.
+    `detach()` shares storage and version counter (bumped by _all_reduce below), so a saved-for-backward
+    tensor that is overwritten still fails loudly in backward; it also avoids autograd's ban on modifying,
+    in place, a view that a custom Function returned (the FP8 linear returns its output as a view).
+    """
+    if not t.is_contiguous():
+        return t.contiguous()  # already a new tensor
+    return t.detach() if reuse else t.clone()
+
+
+def _all_reduce(buffer: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
+    C.all_reduce(buffer, tp, "tp_allreduce")
+    # torch.distributed writes the buffer without bumping its version counter: do it, so autograd
+    # notices when the lent buffer was also saved for some backward.
+    torch.autograd.graph.increment_version(buffer)
+    return buffer
+
+
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(ctx, input_: torch.Tensor, tp: GroupHandle, reuse_grad: bool) -> torch.Tensor:
+        ctx.tp, ctx.reuse_grad = tp, reuse_grad
         return input_
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         # Each TP rank consumed the same input with its own weight shard: input grads are partial sums.
-        return C.all_reduce(grad_output.contiguous().clone(), ctx.tp, "tp_allreduce"), None
+        return _all_reduce(_reduce_buffer(grad_output, ctx.reuse_grad), ctx.tp), None, None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-        return C.all_reduce(input_.contiguous().clone(), tp, "tp_allreduce")
+    def forward(ctx, input_: torch.Tensor, tp: GroupHandle, reuse_input: bool) -> torch.Tensor:
+        return _all_reduce(_reduce_buffer(input_, reuse_input), tp)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        return grad_output, None
+        return grad_output, None, None
 
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
@@ -106,14 +130,22 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return C.all_gather(grad_output.contiguous(), ctx.tp, "tp_sp_allgather", dim=0), None
 
 
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    """Enter a TP region with a replicated input (forward identity, backward all-reduce)."""
-    return input_ if tp.size == 1 else _CopyToTensorParallelRegion.apply(input_, tp)
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, tp: GroupHandle, *,
+                                         reuse_grad: bool = False) -> torch.Tensor:
+    """Enter a TP region with a replicated input (forward identity, backward all-reduce).
+
+    reuse_grad=True: backward all-reduces the incoming gradient in its own storage instead of a copy.
+    Only when the region's sole consumer is a GEMM (ColumnParallelLinear): its dgrad is a fresh tensor."""
+    return input_ if tp.size == 1 else _CopyToTensorParallelRegion.apply(input_, tp, reuse_grad)
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    """Leave a TP region by summing partial results (forward all-reduce, backward identity)."""
-    return input_ if tp.size == 1 else _ReduceFromTensorParallelRegion.apply(input_, tp)
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, tp: GroupHandle, *,
+                                             reuse_input: bool = False) -> torch.Tensor:
+    """Leave a TP region by summing partial results (forward all-reduce, backward identity).
+
+    reuse_input=True: the sum is written into `input_`'s storage instead of a copy; only for a partial
+    result nothing else reads (a row-parallel GEMM's or the vocab-parallel embedding's output)."""
+    return input_ if tp.size == 1 else _ReduceFromTensorParallelRegion.apply(input_, tp, reuse_input)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, tp: GroupHandle) -> torch.Tensor:

@@ -129,7 +129,8 @@ class ColumnParallelLinear(Fp8GemmModule):
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, self.tp)
         else:
-            input_ = copy_to_tensor_model_parallel_region(input_, self.tp)
+            # The GEMM below is the region's only consumer: its dgrad is fresh, all-reduced in place.
+            input_ = copy_to_tensor_model_parallel_region(input_, self.tp, reuse_grad=True)
         return F.linear(input_, weight, bias)
 
     def extra_repr(self) -> str:
@@ -197,7 +198,7 @@ class RowParallelLinear(Fp8GemmModule):
             return self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale,
                                sp_output=self._tp_comm, high_precision=self._high_precision_sp_impl)
         partial = self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale)
-        return reduce_from_tensor_model_parallel_region(partial, self.tp)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp, reuse_input=True)  # fresh GEMM output
 
     def _high_precision_sp_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return reduce_scatter_to_sequence_parallel_region(F.linear(input_, weight, bias), self.tp)
@@ -240,7 +241,7 @@ class VocabParallelEmbedding(nn.Module):
         partial = F.embedding(local_ids, self.weight).masked_fill(not_owned.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.tp)
-        return reduce_from_tensor_model_parallel_region(partial, self.tp)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp, reuse_input=True)  # fresh lookup
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}"
