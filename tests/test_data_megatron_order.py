@@ -55,9 +55,9 @@ def corpora(tmp_path_factory) -> dict[str, str]:
     return {name: str(root / name) for name in lengths}
 
 
-def _megatron(data_path, split, sizes, seed=1234, add_extra_token=True):
+def _megatron(data_path, split, sizes, seed=1234, add_extra_token=True, seq_length=SEQ_LENGTH):
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=SEQ_LENGTH, blend=get_blend_from_list(list(data_path)), split=split,
+        random_seed=seed, sequence_length=seq_length, blend=get_blend_from_list(list(data_path)), split=split,
         tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, add_extra_token_to_sequence=add_extra_token,
     )
@@ -66,10 +66,10 @@ def _megatron(data_path, split, sizes, seed=1234, add_extra_token=True):
         return BlendedMegatronDatasetBuilder(MegatronGPTDataset, list(sizes), lambda: True, config).build()
 
 
-def _ours(data_path, split, sizes, cache_dir, seed=1234, add_extra_token=True):
+def _ours(data_path, split, sizes, cache_dir, seed=1234, add_extra_token=True, seq_length=SEQ_LENGTH):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build_train_valid_test_datasets(list(data_path), split, SEQ_LENGTH, seed, *sizes,
+        return build_train_valid_test_datasets(list(data_path), split, seq_length, seed, *sizes,
                                                cache_dir=str(cache_dir), add_extra_token_to_sequence=add_extra_token)
 
 
@@ -191,3 +191,33 @@ def test_blending_indices_equal_megatrons_cpp(compiled):
         helpers.build_exhaustive_blending_indices(theirs[0], theirs[1], sizes, len(sizes))
         ours = exhaustive_blending_indices(sizes, compiled=compiled)
         assert np.array_equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1])
+
+
+def test_without_a_compiler_the_python_loop_gives_the_same_blend(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGAFP8_CACHE_DIR", str(tmp_path))  # no compiled helper cached there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(blending_indices, "_library", None)
+    monkeypatch.setattr(blending_indices, "_compile_failed", False)
+    with pytest.warns(UserWarning, match="blending indices are built in pure Python"):
+        ours = greedy_blending_indices([0.25, 0.45, 0.3], 5000)
+    theirs = (np.zeros(5000, dtype=np.int16), np.zeros(5000, dtype=np.int64))
+    helpers.build_blending_indices(theirs[0], theirs[1], [0.25, 0.45, 0.3], 3, 5000, False)
+    assert np.array_equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1])
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_random_corpora_splits_and_blends(tmp_path, trial):
+    """Random document lengths, dataset counts, weights, splits, seeds and sequence lengths."""
+    rng = np.random.default_rng(100 + trial)
+    prefixes = []
+    for k in range(int(rng.integers(1, 4))):
+        prefixes.append(str(tmp_path / f"d{k}"))
+        write_synthetic_dataset(prefixes[-1], rng.integers(1, rng.integers(5, 800), rng.integers(50, 300)), seed=k)
+    weighted = len(prefixes) > 1 and trial % 2 == 0
+    data_path = [str(x) for p in prefixes for x in (round(float(rng.random()) + 0.05, 3), p)] if weighted else prefixes
+    split = ["98,2,0", "7,2,1", "90,5,5", "33,33,34"][trial]
+    sizes = (int(rng.integers(100, 2500)), int(rng.integers(1, 100)), int(rng.integers(1, 30)))
+    seed, seq_length = int(rng.integers(0, 2**31)), int(rng.choice([8, 31, 128]))
+    theirs = _megatron(data_path, split, sizes, seed=seed, seq_length=seq_length)
+    ours = _ours(data_path, split, sizes, tmp_path / "cache", seed=seed, seq_length=seq_length)
+    _assert_same_streams(theirs, ours, sizes=sizes)
