@@ -194,10 +194,12 @@ def test_unsupported_combinations_raise(backend):
 
 
 @pytest.mark.gpu
-def test_autotuned_kernel_on_gpu_large_shapes():
-    """Compiled path with autotuning (not reachable on CPU): 4096-sized GEMMs in every mode."""
+def test_compiled_kernel_and_dispatch_on_gpu_large_shapes():
+    """Compiled Triton kernel (autotuned, or the default config under MEGAFP8_GEMM_AUTOTUNE=0) and the
+    auto dispatch (torch._scaled_mm for tensorwise/rowwise) on 4096-sized GEMMs in every mode."""
     for mode in MODES:
         a, b, sa, sb = _operands(4096, 4096, 4096, E4M3, E4M3, mode, 1)
         expected = fp8_gemm_reference(a, b, sa, sb)
-        got = fp8_gemm(*_to("cuda", a, b, sa, sb), out_dtype=torch.bfloat16)
-        assert sqnr_db(got.float().cpu(), expected) >= 40.0, mode
+        for backend in ("triton", None):
+            got = fp8_gemm(*_to("cuda", a, b, sa, sb), out_dtype=torch.bfloat16, backend=backend)
+            assert sqnr_db(got.float().cpu(), expected) >= 40.0, (mode, backend)
