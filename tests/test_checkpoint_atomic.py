@@ -205,13 +205,19 @@ def test_damaged_checkpoint_gives_one_clear_error(tmp_path, damage, message):
 
 
 def test_damage_found_by_the_reader_is_wrapped(tmp_path):
-    """Sizes intact, checksums off: DCP's own failure still comes out as one CheckpointError with the path."""
+    """Sizes intact, checksums off: a corrupt DCP index, and a shape DCP rejects, each come out as one
+    CheckpointError naming the path."""
     ps = ParallelState().init_process_groups()
     path = save_checkpoint(tmp_path, 7, model=_model(ps), parallel_state=ps)
-    _damage(path / ".metadata", "flip")
-    with pytest.raises(CheckpointError, match=f"loading checkpoint {path} failed") as error:
-        load_checkpoint(tmp_path, model=_model(ps), parallel_state=ps, verify=False)
+    wider = GPTModel(ModelConfig(**{**vars(_config()), "hidden_size": 64}), ps)
+    with pytest.raises(CheckpointError, match=f"loading checkpoint {path} failed: .*Size mismatch .* "
+                                              "model.embedding.weight") as error:
+        load_checkpoint(tmp_path, model=wider, parallel_state=ps, verify=False)
     assert "Traceback" not in str(error.value)
+    _damage(path / ".metadata", "flip")
+    with pytest.raises(CheckpointError, match=r"\.metadata is corrupt or unreadable") as error:
+        load_checkpoint(tmp_path, model=_model(ps), parallel_state=ps, verify=False)
+    assert str(path) in str(error.value) and "Traceback" not in str(error.value)
 
 
 def _damaged_on_one_rank_body(rank: int, world_size: int, root: str) -> None:
@@ -228,3 +234,19 @@ def _damaged_on_one_rank_body(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.distributed
 def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
     run_distributed(_damaged_on_one_rank_body, world_size=2, args=(str(tmp_path),))
+
+
+def test_fp8_turned_on_at_resume_starts_cold_scaling_states(tmp_path):
+    from megafp8.fp8 import Fp8Recipe
+    ps = ParallelState().init_process_groups()
+    bf16_run = _model(ps)
+    save_checkpoint(tmp_path, 4, model=bf16_run, parallel_state=ps, args={"fp8_format": None})
+    fp8_run = GPTModel(_config(), ps, fp8_recipe=Fp8Recipe(scaling="delayed", amax_history_len=4))
+    loaded = load_checkpoint(tmp_path, model=fp8_run, parallel_state=ps, args={"fp8_format": "hybrid"},
+                             allow_changed_args=["fp8_format"])
+    assert loaded.iteration == 4 and "48 FP8 scaling tensors are not in" in loaded.messages[0]  # 2 layers x 4 linears x 3 roles x 2
+    weights = {k: v for k, v in fp8_run.state_dict().items() if "fp8_scaling" not in k}
+    assert all(torch.equal(v, bf16_run.state_dict()[k]) for k, v in weights.items())
+    for name, buf in fp8_run.state_dict().items():
+        if name.endswith("amax_history"):
+            assert torch.all(buf == 0), name

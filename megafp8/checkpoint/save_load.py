@@ -33,6 +33,7 @@ from megafp8.checkpoint.sharded_tensor import ShardedLoadPlanner, ShardedSavePla
 from megafp8.parallel.parallel_state import ParallelState
 
 Models = nn.Module | Sequence[nn.Module]
+FP8_SCALING_MARK = ".fp8_scaling."  # the ScalingState submodules' buffers (amax histories, scales)
 
 
 @dataclass
@@ -206,7 +207,18 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
         if load_optim and "optimizer" not in contents:
             raise CheckpointError(f"{path} has no optimizer state; start from its weights with --finetune, "
                                   "or skip the optimizer with --no-load-optim")
-        state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state, params_only=finetune)}
+        model_state = model_checkpoint_state(model, parallel_state, params_only=finetune)
+        try:
+            saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
+            raise CheckpointError(f"{path / '.metadata'} is corrupt or unreadable ({type(e).__name__}: {e})") from None
+        # FP8 turned on for a resumed BF16 run: scaling states the checkpoint lacks start cold, as in a new run.
+        cold = [key for key in model_state if FP8_SCALING_MARK in key and f"model.{key}" not in saved_keys]
+        for key in cold:
+            del model_state[key]
+        if cold:
+            messages.append(f"{len(cold)} FP8 scaling tensors are not in {path}: those delayed-scaling states start cold")
+        state: dict[str, Any] = {"model": model_state}
         if load_optim:
             state["optimizer"] = optimizer_state
         if load_rng:
