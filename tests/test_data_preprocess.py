@@ -39,6 +39,28 @@ def test_round_trip_two_workers_via_the_tool(tmp_path, small_corpus, sp_model):
             assert f.read() == g.read()
 
 
+@pytest.mark.parametrize("use_threads, workers, numpy_batches",
+                         [(True, 2, True), (True, 1, True), (True, 2, False), (False, 2, True), (False, 1, True)])
+def test_output_is_byte_identical_to_megatron_core_builder(tmp_path, small_corpus, sp_model, use_threads, workers,
+                                                           numpy_batches):
+    """Both engines (tokenizing thread, worker processes) write exactly what Megatron-LM's preprocess_data.py
+    writes: Megatron-Core's IndexedDatasetBuilder fed one ``tokenize(text) + [eod]`` per document."""
+    megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    tok = SentencePieceTokenizer(sp_model)
+    tok._numpy_batches = numpy_batches  # False: the list path of sentencepiece < 0.2.1
+    builder = megatron.IndexedDatasetBuilder(str(tmp_path / "megatron.bin"), dtype=np.uint16)
+    for text in read_texts(small_corpus):
+        ids = tok.tokenize(text) + [tok.eod]
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(str(tmp_path / "megatron.idx"))
+
+    preprocess(small_corpus, str(tmp_path / "ours"), tok, append_eod=True, workers=workers, progress=False,
+               chunk_bytes=16 << 10, use_threads=use_threads)
+    for ext in (".bin", ".idx"):
+        with open(tmp_path / f"megatron{ext}", "rb") as f, open(tmp_path / f"ours_text_document{ext}", "rb") as g:
+            assert f.read() == g.read()
+
+
 def test_without_eod_and_several_keys(tmp_path):
     path = write_lines(tmp_path / "in.jsonl", [
         json.dumps({"text": "1 2 3", "title": "7"}),
@@ -78,7 +100,7 @@ def test_bad_lines_are_skipped_and_reported_with_line_numbers(tmp_path):
     }
     report = summary.report(path)
     for expected in ("skipped 6 bad document(s)", "malformed JSON: line 2", "line 8 (a JSON list, not an object)",
-                     "missing key: line 3 ('text')", "not valid UTF-8: line 4 (byte 0xff at column 13)",
+                     "missing key: line 3 ('text'; keys present: 'title')", "not valid UTF-8: line 4 (byte 0xff at column 13)",
                      "empty document: line 5", "value is not a string: line 6 ('text' is int)"):
         assert expected in report, report
 
@@ -179,3 +201,71 @@ def test_huggingface_tokenizer_round_trip(tmp_path, small_corpus):
                chunk_bytes=64 << 10)
     expected = [fast.encode(t, add_special_tokens=False).ids + [1] for t in texts]
     assert _docs(str(tmp_path / "hf_text_document")) == expected
+
+
+def _preprocess_null(path: str, prefix: str, *extra: str):
+    return run_tool("preprocess_data.py", "--input", path, "--output-prefix", prefix, "--tokenizer-type",
+                    "NullTokenizer", "--vocab-size", "20", "--append-eod", *extra)
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([], "the file is empty"),
+        (["", "  "], "only blank lines"),
+        ([json.dumps({"content": "1 2"}), json.dumps({"content": "3"})],
+         "no documents for key 'text': every line was skipped (check --json-keys)"),
+        (['{"text": "1 2"', "[1, 2]"], "no documents for key 'text': every line was skipped"),
+        ([b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"], "binary data (a NUL byte at offset 8)"),
+        ([b"\x1f\x8b\x08\x00\x00\x00"], "gzip-compressed data"),
+    ],
+    ids=["empty", "blank", "missing-key", "malformed", "binary", "gzip"],
+)
+def test_zero_documents_is_an_error_naming_the_cause(tmp_path, lines, message):
+    path = write_lines(tmp_path / "in.jsonl", lines) if lines else str(tmp_path / "in.jsonl")
+    if not lines:
+        open(path, "wb").close()
+    for workers in ("1", "2"):  # the process engine (NullTokenizer) and the inline one
+        result = _preprocess_null(path, str(tmp_path / "out" / "x"), "--workers", workers)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert f"error: --input {path}: " in result.stderr and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+        assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []  # nothing written
+
+
+def test_zero_documents_with_a_sentencepiece_tokenizer(tmp_path, sp_model):
+    """The threaded engine reports the same way, and names the key that got no documents."""
+    path = write_lines(tmp_path / "in.jsonl", [json.dumps({"text": "def f(): pass"}) for _ in range(3)])
+    tok = SentencePieceTokenizer(sp_model)
+    with pytest.raises(PreprocessError, match="no documents for key 'title'.*check --json-keys"):
+        preprocess(path, str(tmp_path / "out"), tok, json_keys=["text", "title"], workers=2, progress=False)
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_user_errors_about_paths_are_one_clear_line(tmp_path):
+    data = write_lines(tmp_path / "in.jsonl", [json.dumps({"text": "1 2"})])
+    result = _preprocess_null(str(tmp_path), str(tmp_path / "out"))
+    assert result.returncode == 1 and f"error: --input {tmp_path}: is a directory" in result.stderr
+
+    result = _preprocess_null(data, str(tmp_path / "in.jsonl" / "sub" / "out"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"--output-prefix {tmp_path / 'in.jsonl' / 'sub' / 'out'}: {data} is a file" in result.stderr
+
+
+def test_merge_errors_name_the_missing_directory_or_prefix(tmp_path, small_corpus, sp_model):
+    missing = str(tmp_path / "parts")
+    result = run_tool("merge_datasets.py", "--input", missing, "--output-prefix", str(tmp_path / "merged"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"error: --input {missing}: no such directory, and no dataset {missing}.idx/.bin" in result.stderr
+    assert ".idx: index file not found" not in result.stderr
+
+    preprocess(small_corpus, str(tmp_path / "a"), SentencePieceTokenizer(sp_model), progress=False)
+    result = run_tool("merge_datasets.py", "--input", str(tmp_path / "a_text_document"), str(tmp_path / "b"),
+                      "--output-prefix", str(tmp_path / "merged"))
+    assert result.returncode == 1 and f"--input {tmp_path / 'b'}: no such directory" in result.stderr
+
+    # A prefix given with its extension is accepted; an output under a file is one clear line.
+    result = run_tool("merge_datasets.py", "--input", str(tmp_path / "a_text_document.idx"),
+                      "--output-prefix", str(tmp_path / "a_text_document.bin" / "merged"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"{tmp_path / 'a_text_document.bin'} is a file" in result.stderr

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    group.add_argument("--workers", type=int, default=1,
+                       help="cores to use: tokenizer threads (SentencePiece, HuggingFace tokenizers), else processes")
     group.add_argument("--partitions", type=int, default=1,
                        help="split the input into this many byte ranges (see --partition-index)")
     group.add_argument("--partition-index", type=int, default=None,
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # HuggingFace tokenizers encode batches on a Rayon pool sized once, from this variable, at first use.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(args.workers, 1)))
     try:
         tokenizer = tokenizer_from_args(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         summary = preprocess(
@@ -68,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             progress=False if args.no_progress_bar else None,
         )
     except (PreprocessError, IndexedDatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. the disk filled up: the .tmp files were removed, nothing else was written
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

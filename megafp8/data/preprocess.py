@@ -1,10 +1,14 @@
-"""Streaming, multiprocess jsonl → Megatron indexed dataset conversion (the engine of tools/preprocess_data.py).
+"""Streaming jsonl → Megatron indexed dataset conversion (the engine of tools/preprocess_data.py).
 
-The main process never reads the documents: it cuts the input into ~1 MiB byte ranges that end on line
-boundaries and hands the ranges to worker processes. A worker reads its range, parses and validates each
-line, tokenizes the whole batch in one call and returns flat numpy arrays (tokens + lengths), so what
-crosses the process boundary is a few large buffers rather than millions of Python ints. The main
-process appends them, in input order, to the output, which is renamed into place only when complete.
+The input is cut into ~1 MiB byte ranges that end on line boundaries. Each range is parsed and validated
+in Python, then tokenized as one batch, and its tokens are appended, in input order, to the output, which
+is renamed into place only when complete. Memory holds a few ranges at a time, whatever the input size.
+
+Tokenizers whose batch encode runs in native threads with the GIL released (SentencePiece, HuggingFace
+``tokenizers``) work in one process: the main thread reads and parses range k+1 while a tokenizing thread
+encodes range k with ``workers`` native threads, the way SentencePiece's own batched encode would. Other
+tokenizers (NullTokenizer, transformers' Python tokenizers) run in ``workers`` processes that each read,
+parse and tokenize whole ranges and return two flat numpy arrays. Both give byte-identical output.
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ import os
 import sys
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -34,10 +38,24 @@ PROBLEM_KINDS = {
 }
 _EXAMPLES_PER_KIND = 5
 _CHUNK_BYTES = 1 << 20
+# Leading bytes of compressed files people pass by mistake (a .jsonl.gz, say).
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
 
 
 class PreprocessError(ValueError):
     """Bad input under ``--strict``, or bad arguments; the message names the file, line or flag."""
+
+
+@dataclass
+class ParsedChunk:
+    """The documents of one byte range, per key, with the bad lines found while parsing."""
+    index: int
+    num_lines: int
+    num_bytes: int
+    texts: dict[str, list[str]]
+    text_lines: dict[str, list[int]]  # line number (within the chunk, from 0) of each text
+    problems: list[tuple[str, int, str]]  # (kind, line within the chunk, detail); the first few per kind
+    problem_counts: Counter
 
 
 @dataclass
@@ -47,7 +65,6 @@ class ChunkResult:
     num_bytes: int
     tokens: dict[str, np.ndarray]
     lengths: dict[str, np.ndarray]
-    # (kind, line number within the chunk starting at 0, detail); only the first few per kind.
     problems: list[tuple[str, int, str]]
     problem_counts: Counter
 
@@ -121,9 +138,105 @@ def count_lines_before(path: str, position: int) -> int:
     return count
 
 
+def _read_range(path: str, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
 # ---------------------------------------------------------------------------------------------------
-# Worker side
+# Parsing and tokenizing one range
 # ---------------------------------------------------------------------------------------------------
+
+def parse_chunk(index: int, data: bytes, keys: Sequence[str]) -> ParsedChunk:
+    """Split a range into lines, decode and validate each, and collect the texts under ``keys``."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the text after the final newline is not a line
+    parsed = ParsedChunk(index, len(lines), len(data), {k: [] for k in keys}, {k: [] for k in keys}, [], Counter())
+    for line_number, raw in enumerate(lines):
+        if not raw or raw.isspace():
+            continue  # blank lines (e.g. a trailing one) hold no document and are not an error
+        try:
+            decoded = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            _problem(parsed, "not_utf8", line_number, f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}")
+            continue
+        try:
+            record = json.loads(decoded)
+        except ValueError as exc:
+            _problem(parsed, "malformed_json", line_number, str(exc))
+            continue
+        if not isinstance(record, dict):
+            _problem(parsed, "malformed_json", line_number, f"a JSON {type(record).__name__}, not an object")
+            continue
+        for key in keys:
+            value = record.get(key)
+            if value is None and key not in record:
+                present = ", ".join(map(repr, list(record)[:5])) or "none"
+                _problem(parsed, "missing_key", line_number, f"{key!r}; keys present: {present}")
+            elif not isinstance(value, str):
+                _problem(parsed, "not_string", line_number, f"{key!r} is {type(value).__name__}")
+            elif not value:
+                _problem(parsed, "empty", line_number, repr(key))
+            else:
+                parsed.texts[key].append(value)
+                parsed.text_lines[key].append(line_number)
+    return parsed
+
+
+def _problem(chunk: ParsedChunk, kind: str, line: int, detail: str) -> None:
+    chunk.problem_counts[kind] += 1
+    if chunk.problem_counts[kind] <= _EXAMPLES_PER_KIND:
+        chunk.problems.append((kind, line, detail))
+
+
+def tokenize_chunk(parsed: ParsedChunk, tokenizer: Tokenizer, append_eod: bool, dtype: np.dtype,
+                   num_threads: int = 1) -> ChunkResult:
+    """Tokenize every text of a parsed range in one batch per key; flat tokens + lengths per key."""
+    tokens, lengths = {}, {}
+    for key, texts in parsed.texts.items():
+        if texts:
+            flat, key_lengths = tokenizer.tokenize_arrays(texts, num_threads)
+        else:
+            flat, key_lengths = np.zeros(0, dtype), np.zeros(0, np.int64)
+        if len(key_lengths) and not key_lengths.all():
+            # Text that tokenizes to nothing would become a document of only an EOD: skip it as empty.
+            for i in np.flatnonzero(key_lengths == 0):
+                _problem(parsed, "empty", parsed.text_lines[key][i], f"{key!r} has no tokens")
+            key_lengths = key_lengths[key_lengths > 0]
+        flat = flat.astype(dtype, copy=False)
+        if append_eod and len(key_lengths):
+            # Insert the EOD after each document in one vectorized call instead of per-list appends.
+            flat = np.insert(flat, np.cumsum(key_lengths), tokenizer.eod)
+            key_lengths = key_lengths + 1
+        tokens[key] = flat
+        lengths[key] = key_lengths.astype(np.int32)
+    return ChunkResult(parsed.index, parsed.num_lines, parsed.num_bytes, tokens, lengths, parsed.problems,
+                       parsed.problem_counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two ways of running ranges: one process with a tokenizing thread, or worker processes
+# ---------------------------------------------------------------------------------------------------
+
+def _threaded_results(path: str, chunks: Iterator, keys: Sequence[str], tokenizer: Tokenizer, append_eod: bool,
+                      dtype: np.dtype, threads: int) -> Iterator[ChunkResult]:
+    """Parse here while one thread runs the tokenizer's natively parallel batch encode on the previous range."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    pending: deque = deque()
+    try:
+        for index, start, end in chunks:
+            parsed = parse_chunk(index, _read_range(path, start, end), keys)
+            pending.append(executor.submit(tokenize_chunk, parsed, tokenizer, append_eod, dtype, threads))
+            # One range encoding, one parsed and queued: the encoder never waits, memory stays bounded.
+            if len(pending) > 2:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
 
 _worker_state: dict = {}
 
@@ -136,72 +249,19 @@ def encode_chunk(task: tuple[int, int, int]) -> ChunkResult:
     """Read, validate and tokenize the lines of one byte range (runs in a worker process)."""
     index, start, end = task
     state = _worker_state
-    keys: list[str] = state["json_keys"]
-    with open(state["path"], "rb") as f:
-        f.seek(start)
-        data = f.read(end - start)
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the text after the final newline is not a line
+    parsed = parse_chunk(index, _read_range(state["path"], start, end), state["json_keys"])
+    return tokenize_chunk(parsed, state["tokenizer"], state["append_eod"], state["dtype"])
 
-    problems: list[tuple[str, int, str]] = []
-    counts: Counter = Counter()
 
-    def problem(kind: str, line: int, detail: str) -> None:
-        counts[kind] += 1
-        if counts[kind] <= _EXAMPLES_PER_KIND:
-            problems.append((kind, line, detail))
-
-    texts: dict[str, list[str]] = {key: [] for key in keys}
-    text_lines: dict[str, list[int]] = {key: [] for key in keys}
-    for line_number, raw in enumerate(lines):
-        if not raw or raw.isspace():
-            continue  # blank lines (e.g. a trailing one) hold no document and are not an error
-        try:
-            decoded = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            problem("not_utf8", line_number, f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1}")
-            continue
-        try:
-            record = json.loads(decoded)
-        except ValueError as exc:
-            problem("malformed_json", line_number, str(exc))
-            continue
-        if not isinstance(record, dict):
-            problem("malformed_json", line_number, f"a JSON {type(record).__name__}, not an object")
-            continue
-        for key in keys:
-            value = record.get(key)
-            if value is None and key not in record:
-                problem("missing_key", line_number, repr(key))
-            elif not isinstance(value, str):
-                problem("not_string", line_number, f"{key!r} is {type(value).__name__}")
-            elif not value:
-                problem("empty", line_number, repr(key))
-            else:
-                texts[key].append(value)
-                text_lines[key].append(line_number)
-
-    tokens, lengths = {}, {}
-    tokenizer: Tokenizer = state["tokenizer"]
-    for key in keys:
-        ids = tokenizer.tokenize_batch(texts[key]) if texts[key] else []
-        key_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        if len(ids) and not key_lengths.all():
-            # Text that tokenizes to nothing would become a document of only an EOD: skip it as empty.
-            keep = np.flatnonzero(key_lengths)
-            for i in np.flatnonzero(key_lengths == 0):
-                problem("empty", text_lines[key][i], f"{key!r} has no tokens")
-            ids = [ids[i] for i in keep]
-            key_lengths = key_lengths[keep]
-        flat = np.fromiter(chain.from_iterable(ids), dtype=state["dtype"], count=int(key_lengths.sum()))
-        if state["append_eod"] and len(ids):
-            # Insert the EOD after each document in one vectorized call instead of per-list appends.
-            flat = np.insert(flat, np.cumsum(key_lengths), tokenizer.eod)
-            key_lengths = key_lengths + 1
-        tokens[key] = flat
-        lengths[key] = key_lengths.astype(np.int32)
-    return ChunkResult(index, len(lines), end - start, tokens, lengths, problems, counts)
+def _ordered_results(pool, chunks: Iterator, in_flight: int) -> Iterator[ChunkResult]:
+    """Results in input order with at most ``in_flight`` chunks queued (bounded memory on huge inputs)."""
+    pending: deque = deque()
+    for task in chunks:
+        pending.append(pool.apply_async(encode_chunk, (task,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,10 +281,14 @@ def preprocess(
     log_interval: int = 10000,
     progress: bool | None = None,
     chunk_bytes: int = _CHUNK_BYTES,
+    use_threads: bool | None = None,
 ) -> PreprocessSummary:
-    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key."""
-    if not os.path.isfile(input_path):
-        raise PreprocessError(f"--input {input_path}: no such file")
+    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.bin/.idx`` for every key.
+
+    ``use_threads`` None picks the tokenizing thread when the tokenizer encodes batches in native threads
+    (``tokenizer.native_batch_threads``) and worker processes otherwise; True/False force one way.
+    """
+    check_input_file(input_path)
     if workers < 1:
         raise PreprocessError(f"--workers {workers}: must be at least 1")
     if partitions < 1 or (partition_index is not None and not 0 <= partition_index < partitions):
@@ -233,6 +297,7 @@ def preprocess(
         raise PreprocessError("--append-eod: the tokenizer has no end-of-document (eos) token")
     if not json_keys:
         raise PreprocessError("--json-keys: give at least one key")
+    check_output_prefix(output_prefix)
 
     # Without --partition-index the whole file is streamed; --partitions then only exists for Megatron
     # command-line compatibility (the output is the same as with one partition).
@@ -246,19 +311,25 @@ def preprocess(
     dtype = optimal_dtype(tokenizer.vocab_size)
     prefixes = {key: f"{output_prefix}_{key}_document" for key in json_keys}
     summary = PreprocessSummary(prefixes, {k: 0 for k in json_keys}, {k: 0 for k in json_keys})
-    writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
-    init_args = (tokenizer, input_path, list(json_keys), append_eod, dtype)
+    try:
+        writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
+    except OSError as exc:
+        raise PreprocessError(f"--output-prefix {output_prefix}: cannot write there ({exc})") from None
     chunks = iter_chunks(input_path, start, end, chunk_bytes)
+    threaded = tokenizer.native_batch_threads if use_threads is None else use_threads
 
     pool = None
-    if workers > 1:
+    if threaded:
+        results = _threaded_results(input_path, chunks, json_keys, tokenizer, append_eod, dtype, workers)
+    elif workers > 1:
+        init_args = (tokenizer, input_path, list(json_keys), append_eod, dtype)
         # fork: workers inherit the loaded tokenizer instead of re-importing; created before tqdm starts
         # its monitor thread, since forking a threaded process is fragile.
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
         pool = multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=init_args)
         results = _ordered_results(pool, chunks, in_flight=2 * workers)
     else:
-        _init_worker(*init_args)
+        _init_worker(tokenizer, input_path, list(json_keys), append_eod, dtype)
         results = map(encode_chunk, chunks)
 
     begin = time.perf_counter()
@@ -285,6 +356,9 @@ def preprocess(
                 docs_at_last_log = docs
                 print(f"processed {docs:,} documents: {_rates(summary, json_keys[0], time.perf_counter() - begin)}",
                       flush=True)
+        for key in json_keys:
+            if summary.documents[key] == 0:
+                raise PreprocessError(_no_documents_message(input_path, key, summary, partition_index, partitions))
         for writer in writers.values():
             writer.finalize()
     except BaseException:
@@ -293,6 +367,8 @@ def preprocess(
         raise
     finally:
         bar.close()
+        if hasattr(results, "close"):
+            results.close()  # stops the tokenizing thread after a --strict error or an interrupt
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -300,15 +376,48 @@ def preprocess(
     return summary
 
 
-def _ordered_results(pool, chunks: Iterator, in_flight: int) -> Iterator[ChunkResult]:
-    """Results in input order with at most ``in_flight`` chunks queued (bounded memory on huge inputs)."""
-    pending: deque = deque()
-    for task in chunks:
-        pending.append(pool.apply_async(encode_chunk, (task,)))
-        if len(pending) >= in_flight:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+def check_input_file(path: str) -> None:
+    """Fail early, naming the cause, on an --input that cannot hold JSON lines."""
+    if os.path.isdir(path):
+        raise PreprocessError(f"--input {path}: is a directory; give one jsonl file (run once per file, or "
+                              "concatenate them)")
+    if not os.path.isfile(path):
+        raise PreprocessError(f"--input {path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(64 << 10)
+    if not head:
+        raise PreprocessError(f"--input {path}: the file is empty, so there are no documents to write")
+    for magic, name in _COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            raise PreprocessError(f"--input {path}: {name}-compressed data; decompress it first (one JSON "
+                                  "object per line, UTF-8)")
+    nul = head.find(b"\x00")
+    if nul >= 0:  # JSON text never holds a raw NUL byte (strings must escape control characters)
+        raise PreprocessError(f"--input {path}: binary data (a NUL byte at offset {nul}), not JSON lines; "
+                              "UTF-16 text must be converted to UTF-8")
+
+
+def check_output_prefix(output_prefix: str, flag: str = "--output-prefix") -> None:
+    """The prefix's directory must exist or be creatable: no file may sit where a directory is needed."""
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise PreprocessError(f"{flag} {output_prefix}: {existing} is a file, so the directory {parent} "
+                              "cannot be created")
+
+
+def _no_documents_message(path: str, key: str, summary: PreprocessSummary, partition_index: int | None,
+                          partitions: int) -> str:
+    where = f"--input {path}" + (f" (partition {partition_index} of {partitions})" if partition_index is not None else "")
+    if not summary.problem_counts:
+        if summary.lines == 0:
+            return f"{where}: no lines in this range, so no documents; use fewer --partitions"
+        return f"{where}: only blank lines, so no documents to write; nothing was written"
+    report = summary.report(path).split("\n", 1)[1]
+    hint = " (check --json-keys)" if summary.problem_counts["missing_key"] else ""
+    return (f"{where}: no documents for key {key!r}: every line was skipped{hint}; nothing was written:\n{report}")
 
 
 def _check_and_collect(result: ChunkResult, line_base: int, summary: PreprocessSummary, strict: bool, path: str) -> None:
@@ -319,7 +428,7 @@ def _check_and_collect(result: ChunkResult, line_base: int, summary: PreprocessS
             + " (--strict stops at the first bad line; drop it to skip bad lines instead)"
         )
     summary.problem_counts.update(result.problem_counts)
-    for kind, line, detail in result.problems:
+    for kind, line, detail in sorted(result.problems, key=lambda p: p[1]):
         examples = summary.problem_examples.setdefault(kind, [])
         if len(examples) < _EXAMPLES_PER_KIND:
             examples.append((line_base + line, detail))

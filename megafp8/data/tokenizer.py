@@ -1,15 +1,18 @@
 """Tokenizers behind one small interface (Megatron names): SentencePiece, HuggingFace by local path, Null.
 
 Every tokenizer exposes ``vocab_size``, ``eod`` (the id appended after each document), ``bos`` and ``pad``,
-plus ``tokenize``/``tokenize_batch``/``detokenize``. None adds special tokens on its own: BOS/EOD placement
-is the preprocessing tool's decision (``--append-eod``), as in Megatron-LM.
+plus ``tokenize``/``tokenize_batch``/``tokenize_arrays``/``detokenize``. None adds special tokens on its own:
+BOS/EOD placement is the preprocessing tool's decision (``--append-eod``), as in Megatron-LM.
 """
 from __future__ import annotations
 
 import json
 import os
 from abc import ABC, abstractmethod
+from itertools import chain
 from typing import Sequence
+
+import numpy as np
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
@@ -33,8 +36,19 @@ class Tokenizer(ABC):
     def tokenize(self, text: str) -> list[int]:
         ...
 
+    # True when tokenize_arrays() runs in native threads with the GIL released, so one process can use
+    # several cores (preprocessing then tokenizes in a thread instead of worker processes).
+    native_batch_threads: bool = False
+
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_arrays(self, texts: Sequence[str], num_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of all ``texts`` concatenated (an integer array) and each text's token count (int64).
+
+        ``num_threads`` is a hint for tokenizers with ``native_batch_threads``; the others ignore it.
+        """
+        return _flatten(self.tokenize_batch(texts))
 
     @abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -46,6 +60,8 @@ class SentencePieceTokenizer(Tokenizer):
 
     ``pad`` is the model's pad id, or ``eod`` when the model has none (pad positions are masked anyway).
     """
+
+    native_batch_threads = True  # Encode(list) runs in SentencePiece's C++ thread pool, GIL released
 
     def __init__(self, model_path: str, num_threads: int = 1) -> None:
         super().__init__(model_path, num_threads)
@@ -60,6 +76,10 @@ class SentencePieceTokenizer(Tokenizer):
         # SentencePiece parallelizes list encoding itself; pool workers ask for 1 thread to avoid
         # oversubscribing the cores their siblings already use.
         self._num_threads = num_threads
+        # sentencepiece >= 0.2.1 returns a batch as int32 buffers (no Python int per token) and reuses a
+        # thread pool across calls; older versions get lists, converted in tokenize_arrays.
+        self._numpy_batches = hasattr(spm, "ThreadPool") and hasattr(self._sp, "EncodeAsNumpy")
+        self._thread_pools: dict[tuple[int, int], object] = {}
         self.vocab_size = self._sp.GetPieceSize()
         self.eod = _id_or_none(self._sp.eos_id())
         self.bos = _id_or_none(self._sp.bos_id())
@@ -71,6 +91,21 @@ class SentencePieceTokenizer(Tokenizer):
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.Encode(list(texts), num_threads=self._num_threads)
+
+    def tokenize_arrays(self, texts: Sequence[str], num_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        if not self._numpy_batches or not texts:
+            return _flatten(self._sp.Encode(list(texts), num_threads=num_threads))
+        import sentencepiece as spm
+
+        # Starting threads for every batch would cost per call; keyed by pid because a forked child
+        # inherits the dict but not the threads.
+        key = (os.getpid(), num_threads)
+        if key not in self._thread_pools:
+            self._thread_pools[key] = spm.ThreadPool(num_threads)
+        arrays = self._sp.Encode(list(texts), num_threads=num_threads, thread_pool=self._thread_pools[key],
+                                 out_type="numpy")
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        return np.concatenate(arrays), lengths
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.DecodeIds(list(map(int, ids)))
@@ -103,6 +138,9 @@ class HuggingFaceTokenizer(Tokenizer):
             except Exception as exc:  # the Rust error type is not importable; re-raise with the file name
                 raise ValueError(f"--tokenizer-model {json_file}: not a tokenizers JSON file ({exc})") from None
             self._auto = None
+            # encode_batch releases the GIL and runs on the tokenizers library's own (Rayon) thread pool,
+            # sized by RAYON_NUM_THREADS (default: every core), not by num_threads.
+            self.native_batch_threads = True
             token_to_id = self._fast.token_to_id
             self.vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
         else:
@@ -174,6 +212,11 @@ def build_tokenizer(
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def _flatten(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    return np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())), lengths
 
 
 def _require_file(path: str, flag: str) -> None:

@@ -1,16 +1,25 @@
-"""Benchmark preprocessing throughput (ours vs a Megatron-LM-algorithm baseline) and GPT index building.
+"""Benchmark preprocessing against Megatron-LM's own tools/preprocess_data.py and the tokenizer-bound limit; GPT indices.
 
-    python tools/bench/bench_preprocess.py --workdir /tmp/bench_data --output docs/bench_preprocess.json
+    python tools/bench/bench_preprocess.py --megatron-lm /tmp/megatron-lm --corpus man --vocab-size 8000 \\
+        --workers 2 --repeats 5 --output results.json
 
-1. Preprocessing: the embedded corpus tokenized with a SentencePiece BPE model trained on it, at 1 and 2
-   workers; tokens/s and MB/s of input, best of ``--repeats``. Two inputs: ``files`` is the corpus as
-   built (one document per stdlib source file, ~18 KB each: tokenizer-bound) and ``paragraphs`` its
-   docstrings cut at blank lines (one short document per paragraph, ~120 bytes: overhead-bound). The baseline is Megatron-LM's
-   ``tools/preprocess_data.py`` algorithm re-implemented here (we cannot download the script): a
-   ``multiprocessing.Pool(workers).imap`` over the input's lines with chunksize 32, one ``json.loads`` and
-   one ``encode_as_ids`` per line in the workers, and Megatron-Core's real ``IndexedDatasetBuilder`` (the
-   ``megatron-core`` package) writing each document in the main process. It runs only when
-   ``megatron.core`` imports. Both outputs are compared byte for byte.
+1. Preprocessing, three commands on the same jsonl and SentencePiece BPE model (trained on the corpus):
+   - ``megafp8``: ``tools/preprocess_data.py`` of this repository;
+   - ``megatron-lm``: Megatron-LM's ``tools/preprocess_data.py`` run from the source tree given by
+     ``--megatron-lm`` (that tree on PYTHONPATH, ``--tokenizer-type GPTSentencePieceTokenizer``). On Python
+     3.11 its imports need ``typing.override``; the harness puts a ``sitecustomize.py`` that aliases
+     ``typing_extensions.override`` into ``typing`` on that command's PYTHONPATH (nothing else changes);
+   - ``limit``: SentencePiece's own batched, multi-threaded encode of the same documents, already in memory
+     (``SentencePieceProcessor.encode(texts, num_threads=workers)``): no reading, parsing or writing, so no
+     preprocessing tool can be faster with this tokenizer.
+   Each command runs as a fresh process; wall seconds (the whole command, start-up included, except for
+   ``limit``, which times only the encode call), CPU seconds (user + system of the process and its
+   children) and start-up seconds (the same command on the corpus's first document alone) are recorded, min and median over ``--repeats``, rotating the order every repeat so background
+   load on a shared machine hits all three alike. The megafp8 and Megatron-LM outputs are compared byte
+   for byte. Without ``--megatron-lm`` only megafp8 and the limit run.
+   Corpora: ``man`` (every page under /usr/share/man/man*, decompressed roff source, one document per page),
+   ``stdlib`` (the embedded corpus of tools/build_corpus.py, ``--max-bytes``), ``paragraphs`` (stdlib
+   docstrings cut at blank lines: ~120-byte documents, where per-document overhead dominates).
 2. Index building: document, sample and shuffle index of a GPT dataset over 10^8 and 10^9 tokens of
    synthetic document lengths (nothing is read from disk), with Megatron-Core's compiled
    ``build_sample_idx`` timed on the same document order when available.
@@ -18,84 +27,49 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
-import multiprocessing
 import os
 import platform
+import resource
+import statistics
+import subprocess
 import sys
 import time
 import warnings
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from megafp8.data.corpus import build_corpus  # noqa: E402
 from megafp8.data.gpt_dataset import build_document_index, build_sample_index, build_shuffle_index  # noqa: E402
-from megafp8.data.preprocess import preprocess  # noqa: E402
-from megafp8.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from megafp8.data.tokenizer_training import train_sentencepiece  # noqa: E402
 
-
-def _megatron():
-    """megatron.core's indexed_dataset and helpers modules, or None when the package is unavailable."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets import helpers, indexed_dataset
-        return indexed_dataset, helpers
-    except Exception:  # ImportError, or a missing compiled helper
-        return None
+_TYPING_SHIM = (
+    "# Benchmark harness only: Megatron-LM imports typing.override (Python >= 3.12).\n"
+    "import typing\n\nimport typing_extensions\n\n"
+    "if not hasattr(typing, 'override'):\n    typing.override = typing_extensions.override\n"
+)
 
 
-# --- Megatron-LM preprocess_data.py algorithm (baseline) -------------------------------------------------
+# --- corpora --------------------------------------------------------------------------------------------------
 
-class _MegatronStyleEncoder:
-    """Per-worker state as in Megatron's Encoder: a tokenizer built once, then one call per json line."""
+def man_pages_corpus(path: str) -> str:
+    """One document per man page under /usr/share/man/man*/ (roff source, gz decompressed), sorted by path."""
+    pages = sorted(p for p in glob.glob("/usr/share/man/man*/*") if os.path.isfile(p) and not os.path.islink(p))
+    if not pages:
+        raise SystemExit("--corpus man: no man pages under /usr/share/man/man*/ on this machine")
+    with open(path, "w", encoding="utf-8") as out:
+        for page in pages:
+            with (gzip.open(page) if page.endswith(".gz") else open(page, "rb")) as f:
+                text = f.read().decode("utf-8", errors="replace")
+            if text.strip():
+                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    return path
 
-    def __init__(self, model_path: str, json_keys: list[str], append_eod: bool) -> None:
-        self.model_path, self.json_keys, self.append_eod = model_path, json_keys, append_eod
-
-    def initializer(self) -> None:
-        import sentencepiece as spm
-
-        _MegatronStyleEncoder.sp = spm.SentencePieceProcessor(model_file=self.model_path)
-
-    def encode(self, json_line: str):
-        data = json.loads(json_line)
-        ids, lens = {}, {}
-        for key in self.json_keys:
-            doc_ids = _MegatronStyleEncoder.sp.encode_as_ids(data[key])
-            lengths = [len(doc_ids)] if doc_ids else []
-            if doc_ids and self.append_eod:
-                doc_ids.append(_MegatronStyleEncoder.sp.eos_id())
-                lengths[-1] += 1
-            ids[key], lens[key] = doc_ids, lengths
-        return ids, lens, len(json_line)
-
-
-def megatron_style_preprocess(input_path: str, output_prefix: str, model_path: str, workers: int) -> tuple[float, int]:
-    indexed_dataset, _ = _megatron()
-    encoder = _MegatronStyleEncoder(model_path, ["text"], append_eod=True)
-    vocab_size = SentencePieceTokenizer(model_path).vocab_size
-    start = time.perf_counter()
-    with open(input_path, encoding="utf-8") as fin:
-        pool = multiprocessing.Pool(workers, initializer=encoder.initializer)
-        encoded = pool.imap(encoder.encode, fin, 32)
-        builder = indexed_dataset.IndexedDatasetBuilder(
-            output_prefix + "_text_document.bin", dtype=indexed_dataset.DType.optimal_dtype(vocab_size)
-        )
-        tokens = 0
-        for doc, sentence_lens, _ in encoded:
-            builder.add_document(doc["text"], sentence_lens["text"])
-            tokens += len(doc["text"])
-        builder.finalize(output_prefix + "_text_document.idx")
-        pool.close()
-        pool.join()
-    return time.perf_counter() - start, tokens
-
-
-# --- benchmarks ---------------------------------------------------------------------------------------------
 
 def paragraph_corpus(workdir: str) -> str:
     """Short documents from real text: every paragraph of every stdlib docstring, one per line."""
@@ -109,34 +83,122 @@ def paragraph_corpus(workdir: str) -> str:
     return path
 
 
-def bench_preprocess(corpus: str, model: str, workdir: str, repeats: int, name: str) -> list[dict]:
-    size = os.path.getsize(corpus)
-    rows = []
-    have_megatron = _megatron() is not None
-    for workers in (1, 2):
-        ours, base = [], []
-        # Alternate the two so that load from other processes on a shared machine hits both alike.
-        for _ in range(repeats):
-            summary = preprocess(corpus, os.path.join(workdir, f"ours_w{workers}"), SentencePieceTokenizer(model),
-                                 append_eod=True, workers=workers, progress=False)
-            ours.append(summary.seconds)
-            if have_megatron:
-                base.append(megatron_style_preprocess(corpus, os.path.join(workdir, f"megatron_w{workers}"),
-                                                      model, workers)[0])
-        tokens = summary.tokens["text"]
-        row = {"input": name, "workers": workers, "input_mb": size / 1e6, "documents": summary.documents["text"],
-               "tokens": tokens, "ours_s": min(ours),
-               "ours_tokens_per_s": tokens / min(ours), "ours_mb_per_s": size / 1e6 / min(ours)}
-        if have_megatron:
-            row.update(megatron_s=min(base), megatron_tokens_per_s=tokens / min(base),
-                       megatron_mb_per_s=size / 1e6 / min(base), speedup=min(base) / min(ours))
-            for ext in (".bin", ".idx"):
-                with open(os.path.join(workdir, f"ours_w{workers}_text_document{ext}"), "rb") as f, \
-                        open(os.path.join(workdir, f"megatron_w{workers}_text_document{ext}"), "rb") as g:
-                    row[f"identical{ext}"] = f.read() == g.read()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+def build_input(kind: str, workdir: str, max_bytes: int | None) -> str:
+    if kind == "man":
+        return man_pages_corpus(os.path.join(workdir, "man.jsonl"))
+    if kind == "paragraphs":
+        return paragraph_corpus(workdir)
+    path = os.path.join(workdir, "stdlib.jsonl")
+    build_corpus(path, max_bytes=max_bytes, progress=False)
+    return path
+
+
+# --- the three commands ---------------------------------------------------------------------------------------
+
+def encode_limit(corpus: str, model: str, threads: int) -> None:
+    """Child-process mode: time SentencePiece's batched encode of every document, already in memory."""
+    import sentencepiece as spm
+
+    with open(corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    sp = spm.SentencePieceProcessor(model_file=model)
+    wall, cpu = time.perf_counter(), time.process_time()
+    ids = sp.encode(texts, num_threads=threads)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "tokens": sum(map(len, ids)) + len(ids)}))  # + one EOD each
+
+
+def _run(command: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """Run a command to completion; (wall s, user + system CPU s of it and its children, stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, result.stdout
+
+
+def preprocess_commands(corpus: str, model: str, workdir: str, workers: int, megatron_lm: str | None) -> dict:
+    """name -> (argv, env) of each command compared."""
+    common = ["--input", corpus, "--json-keys", "text", "--tokenizer-model", model, "--append-eod",
+              "--workers", str(workers)]
+    commands = {
+        "megafp8": ([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
+                     "--output-prefix", os.path.join(workdir, "megafp8"), "--tokenizer-type",
+                     "SentencePieceTokenizer", "--no-progress-bar"], None),
+        "limit": ([sys.executable, os.path.abspath(__file__), "--encode-limit", corpus, model, str(workers)], None),
+    }
+    if megatron_lm:
+        shim = os.path.join(workdir, "typing_shim")
+        os.makedirs(shim, exist_ok=True)
+        with open(os.path.join(shim, "sitecustomize.py"), "w") as f:
+            f.write(_TYPING_SHIM)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([shim, os.path.abspath(megatron_lm)])}
+        commands["megatron-lm"] = ([sys.executable, os.path.join(megatron_lm, "tools", "preprocess_data.py"), *common,
+                                    "--output-prefix", os.path.join(workdir, "megatron"), "--tokenizer-type",
+                                    "GPTSentencePieceTokenizer"], env)
+    return commands
+
+
+def bench_preprocess(corpus: str, model: str, workdir: str, workers: int, repeats: int,
+                     megatron_lm: str | None) -> dict:
+    commands = preprocess_commands(corpus, model, workdir, workers, megatron_lm)
+    # The same commands on the corpus's first document alone measure each tool's start-up (imports, pools).
+    one_document = os.path.join(workdir, "one_document.jsonl")
+    with open(corpus, encoding="utf-8") as f, open(one_document, "w", encoding="utf-8") as out:
+        out.write(f.readline())
+    startup_commands = {name: ([one_document if a == corpus else a for a in argv], env)
+                        for name, (argv, env) in commands.items() if name != "limit"}
+    names = list(commands)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # rotate the order
+            argv, env = commands[name]
+            wall, cpu, stdout = _run(argv, env)
+            if name == "limit":  # the child timed only its encode call
+                wall, cpu = json.loads(stdout)["wall_s"], json.loads(stdout)["cpu_s"]
+                startup = 0.0
+            else:
+                startup = _run(*startup_commands[name])[0]
+            runs[name].append({"wall_s": wall, "cpu_s": cpu, "startup_s": startup, "loadavg": os.getloadavg()[0]})
+            print(json.dumps({"repeat": repeat, "command": name, **runs[name][-1]}), flush=True)
+    row = {"corpus_mb": os.path.getsize(corpus) / 1e6, "workers": workers, "repeats": repeats,
+           "commands": {name: " ".join(argv) for name, (argv, _) in commands.items()}, "runs": runs}
+    for name in names:
+        for metric in ("wall_s", "cpu_s", "startup_s"):
+            values = [r[metric] for r in runs[name]]
+            row[f"{name}_{metric}_min"], row[f"{name}_{metric}_median"] = min(values), statistics.median(values)
+    for stat in ("min", "median"):
+        row[f"megafp8_over_limit_wall_{stat}"] = row[f"megafp8_wall_s_{stat}"] / row[f"limit_wall_s_{stat}"]
+        if megatron_lm:
+            row[f"megatron_over_megafp8_wall_{stat}"] = row[f"megatron-lm_wall_s_{stat}"] / row[f"megafp8_wall_s_{stat}"]
+    if megatron_lm:
+        for ext in (".bin", ".idx"):
+            with open(os.path.join(workdir, f"megafp8_text_document{ext}"), "rb") as f, \
+                    open(os.path.join(workdir, f"megatron_text_document{ext}"), "rb") as g:
+                row[f"identical{ext}"] = f.read() == g.read()
+    from megafp8.data.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(os.path.join(workdir, "megafp8_text_document"))
+    row.update(documents=len(dataset), tokens=dataset.num_tokens)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "commands")}), flush=True)
+    return row
+
+
+# --- index building -------------------------------------------------------------------------------------------
+
+def _megatron_helpers():
+    """megatron.core.datasets.helpers (compiled), or None when the package is unavailable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import helpers
+        return helpers
+    except Exception:  # ImportError, or a missing compiled helper
+        return None
 
 
 def bench_index(total_tokens: int, mean_length: int, seq_length: int, repeats: int) -> dict:
@@ -160,9 +222,8 @@ def bench_index(total_tokens: int, mean_length: int, seq_length: int, repeats: i
     row = {"tokens": tokens, "documents": num_docs, "seq_length": seq_length, "samples": num_samples}
     row.update({name: min(values) for name, values in phases.items()})
     row["ours_total_s"] = sum(row[name] for name in phases)
-    megatron = _megatron()
-    if megatron is not None:
-        helpers = megatron[1]
+    helpers = _megatron_helpers()
+    if helpers is not None:
         document_index = document_index.astype(np.int32)
         start = time.perf_counter()
         helpers.build_sample_idx(lengths, document_index, seq_length, 1, tokens, True, True)
@@ -172,32 +233,36 @@ def bench_index(total_tokens: int, mean_length: int, seq_length: int, repeats: i
 
 
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--encode-limit":
+        encode_limit(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="/tmp/megafp8_bench_preprocess")
-    parser.add_argument("--max-bytes", type=int, default=None, help="corpus size (default: the whole stdlib)")
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--megatron-lm", default=None, help="a Megatron-LM source tree (NVIDIA/Megatron-LM)")
+    parser.add_argument("--corpus", choices=("man", "stdlib", "paragraphs"), default="man")
+    parser.add_argument("--max-bytes", type=int, default=None, help="stdlib corpus size (default: all of it)")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--skip-preprocess", action="store_true")
+    parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-               "python": platform.python_version(), "command": " ".join(sys.argv),
-               # other processes on a shared machine slow the 2-worker runs most: record the load
-               "loadavg_before": os.getloadavg()}
+    results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+               "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+               "command": " ".join(sys.argv), "loadavg_before": os.getloadavg()}
     if not args.skip_preprocess:
-        corpus = os.path.join(args.workdir, "stdlib.jsonl")
-        build_corpus(corpus, max_bytes=args.max_bytes, progress=False)
+        corpus = build_input(args.corpus, args.workdir, args.max_bytes)
         model = train_sentencepiece([corpus], os.path.join(args.workdir, f"sp{args.vocab_size}"), args.vocab_size,
                                     max_sentences=300_000, progress=False)
-        results["preprocess"] = bench_preprocess(corpus, model, args.workdir, args.repeats, "files")
-        results["preprocess"] += bench_preprocess(paragraph_corpus(args.workdir), model, args.workdir,
-                                                  args.repeats, "paragraphs")
-    results["index"] = [
-        bench_index(total, mean, args.seq_length, args.repeats)
-        for total in (10**8, 10**9) for mean in (1000, 100)
-    ]
+        results["preprocess"] = bench_preprocess(corpus, model, args.workdir, args.workers, args.repeats,
+                                                 args.megatron_lm)
+        results["preprocess"].update(corpus=args.corpus, vocab_size=args.vocab_size)
+    if not args.skip_index:
+        results["index"] = [bench_index(total, mean, args.seq_length, args.repeats)
+                            for total in (10**8, 10**9) for mean in (1000, 100)]
     results["loadavg_after"] = os.getloadavg()
     if args.output:
         with open(args.output, "w") as f:
