@@ -26,8 +26,9 @@ _SOURCE = r"""
 #include <float.h>
 
 /* Megatron-Core's build_blending_indices: the largest error weight * max(n, 1) - taken wins. */
-void greedy_blend(const double *weights, int32_t num_datasets, int64_t size,
-                  int16_t *dataset_index, int64_t *dataset_sample_index, int64_t *taken) {
+void greedy_blend(const double *restrict weights, int32_t num_datasets, int64_t size,
+                  int16_t *restrict dataset_index, int64_t *restrict dataset_sample_index,
+                  int64_t *restrict taken) {
   for (int64_t n = 0; n < size; ++n) {
     double steps = n > 1 ? (double)n : 1.0;
     int32_t best = 0;
@@ -43,8 +44,9 @@ void greedy_blend(const double *weights, int32_t num_datasets, int64_t size,
 
 /* Megatron-Core's build_exhaustive_blending_indices: the same greedy rule over the datasets not yet
    exhausted, with weights sizes / total, until every dataset has given exactly sizes[d] samples. */
-void exhaustive_blend(const int64_t *sizes, const double *weights, int32_t num_datasets, int64_t total,
-                      int16_t *dataset_index, int64_t *dataset_sample_index, int64_t *taken) {
+void exhaustive_blend(const int64_t *restrict sizes, const double *restrict weights, int32_t num_datasets,
+                      int64_t total, int16_t *restrict dataset_index, int64_t *restrict dataset_sample_index,
+                      int64_t *restrict taken) {
   for (int64_t n = 0; n < total; ++n) {
     double steps = n > 1 ? (double)n : 1.0;
     int32_t best = -1;
