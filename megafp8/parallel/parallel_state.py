@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megafp8.parallel.collectives import CommCounters, GroupHandle
+from megafp8.parallel.pipeline_layout import PipelineLayout, default_schedule, pipeline_layout_errors
 
 GROUP_KINDS = ("tp", "dp", "pp", "amax", "embedding")
 
@@ -71,8 +73,10 @@ def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None =
                   hidden_size: int | None = None, ffn_hidden_size: int | None = None,
                   num_attention_heads: int | None = None, num_query_groups: int | None = None,
                   seq_length: int | None = None, global_batch_size: int | None = None,
-                  micro_batch_size: int | None = None) -> list[str]:
-    """Every rule the layout breaks, each naming its flag; model/batch checks run only when given."""
+                  micro_batch_size: int | None = None, pipeline_schedule: str | None = None,
+                  first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[str]:
+    """Every rule the layout breaks, each naming its flag; model/batch checks run only when given.
+    The pipeline rules (stage split, schedule, micro-batch count) are ``pipeline_layout_errors``."""
     errors: list[str] = []
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("world size", world_size), ("--micro-batch-size", micro_batch_size),
@@ -101,18 +105,18 @@ def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None =
             errors.append(f"--hidden-size / --num-attention-heads = {hidden_size // num_attention_heads} "
                           "(the head dim) must be even for rotary embeddings")
     not_divisible("--ffn-hidden-size", ffn_hidden_size, "--tensor-model-parallel-size", tp)
-    not_divisible("--num-layers", num_layers, "--pipeline-model-parallel-size", pp)
-    if vpp_layers is not None:
-        if pp == 1:
-            errors.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        elif num_layers is not None and num_layers % (pp * vpp_layers):
-            errors.append(f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
-                          f"x --num-layers-per-virtual-pipeline-stage ({vpp_layers})")
     if sequence_parallel and tp > 1:
         not_divisible("--seq-length", seq_length, "--tensor-model-parallel-size (with --sequence-parallel)", tp)
-    if global_batch_size is not None and micro_batch_size is not None and global_batch_size % (micro_batch_size * dp):
-        errors.append(f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
-                      f"({micro_batch_size}) x data-parallel size ({dp})")
+    num_microbatches = None
+    if global_batch_size is not None and micro_batch_size is not None:
+        if global_batch_size % (micro_batch_size * dp):
+            errors.append(f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
+                          f"({micro_batch_size}) x data-parallel size ({dp})")
+        else:
+            num_microbatches = global_batch_size // (micro_batch_size * dp)
+    errors += pipeline_layout_errors(num_layers=num_layers, pp=pp, schedule=pipeline_schedule, vpp_layers=vpp_layers,
+                                     first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                                     num_microbatches=num_microbatches)
     return errors
 
 
@@ -130,6 +134,9 @@ class ParallelState:
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     sequence_parallel: bool = False
+    pipeline_schedule: str | None = None  # None: interleaved with virtual stages, else 1f1b (Megatron's default)
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
     data_parallel_size: int = field(init=False)
     # Filled by init_process_groups(): this process's rank, coordinates and group handles.
     rank: int = field(init=False, default=0)
@@ -140,6 +147,7 @@ class ParallelState:
     def __post_init__(self) -> None:
         self._raise_if(layout_errors(**self._layout_kwargs()))
         self.data_parallel_size = self.world_size // (self.tp_size * self.pp_size)
+        self.pipeline_schedule = self.pipeline_schedule or default_schedule(self.num_layers_per_virtual_pipeline_stage)
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -171,13 +179,19 @@ class ParallelState:
         return (f"world size {self.world_size} = --tensor-model-parallel-size {self.tp_size} x data parallel "
                 f"{max(self.world_size // (self.tp_size * self.pp_size), 1)} x --pipeline-model-parallel-size "
                 f"{self.pp_size}" + (f", --num-layers-per-virtual-pipeline-stage {vpp}" if vpp else "")
-                + (", --sequence-parallel" if self.sequence_parallel else ""))
+                + (", --sequence-parallel" if self.sequence_parallel else "")
+                + (f", --pipeline-schedule {self.pipeline_schedule}" if self.pp_size > 1 else "")
+                + "".join(f", {flag} {value}" for flag, value in (
+                    ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
+                    ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers)) if value is not None))
 
     # -- validation ------------------------------------------------------------------------------
     def _layout_kwargs(self) -> dict[str, Any]:
         return dict(world_size=self.world_size, tp=self.tensor_model_parallel_size,
                     pp=self.pipeline_model_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
-                    sequence_parallel=self.sequence_parallel)
+                    sequence_parallel=self.sequence_parallel, pipeline_schedule=self.pipeline_schedule,
+                    first_stage_layers=self.decoder_first_pipeline_num_layers,
+                    last_stage_layers=self.decoder_last_pipeline_num_layers)
 
     def _raise_if(self, errors: list[str], model_facts: str = "") -> None:
         if errors:
@@ -195,9 +209,17 @@ class ParallelState:
         self._raise_if(layout_errors(**self._layout_kwargs(), **dims, global_batch_size=global_batch_size,
                                      micro_batch_size=micro_batch_size), facts)
 
+    def pipeline_layout(self, num_layers: int) -> PipelineLayout:
+        """Which layers each pipeline stage holds and which rank runs it (megafp8.parallel.pipeline_layout)."""
+        return PipelineLayout(num_layers, self.pp_size, self.pipeline_schedule, self.num_layers_per_virtual_pipeline_stage,
+                              self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+
     # -- process groups --------------------------------------------------------------------------
-    def init_process_groups(self, rank: int | None = None) -> "ParallelState":
+    def init_process_groups(self, rank: int | None = None, timeout: timedelta | None = None) -> "ParallelState":
         """Create every group (all ranks must call this, in the same order) and keep this rank's.
+
+        ``timeout`` (``--distributed-timeout-minutes``) bounds every collective and point-to-point wait on
+        these groups: a dead or hung peer then raises instead of blocking forever.
 
         With ``world_size == 1`` nothing touches torch.distributed, so single-process runs and the
         TP=1 reference in tests need no process group at all.
@@ -216,7 +238,7 @@ class ParallelState:
             self._handles[kind] = None
             for ranks in all_groups:
                 # Every rank creates every group (a torch.distributed rule); single-member groups need none.
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self._handles[kind] = GroupHandle(group=group, ranks=tuple(ranks), rank=ranks.index(self.rank),
                                                       counters=self.comm)
@@ -266,14 +288,20 @@ def default_backend() -> str:
 
 
 def initialize_distributed(backend: str | None = None, init_method: str | None = None,
-                           world_size: int | None = None, rank: int | None = None) -> None:
-    """Initialize torch.distributed from torchrun's environment (or the given values), once."""
+                           world_size: int | None = None, rank: int | None = None,
+                           timeout_minutes: float | None = None) -> None:
+    """Initialize torch.distributed from torchrun's environment (or the given values), once.
+
+    ``timeout_minutes`` (--distributed-timeout-minutes): a collective whose peer died or never comes
+    raises after this long instead of hanging the job forever."""
     if dist.is_initialized():
         return
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method or "env://"}
+    if timeout_minutes is not None:
+        kwargs["timeout"] = timedelta(minutes=timeout_minutes)
     if world_size is not None:
         kwargs.update(world_size=world_size, rank=rank)
     dist.init_process_group(**kwargs)

@@ -1,0 +1,303 @@
+"""Pipeline parallelism on torch.distributed.pipelining: megafp8 builds this rank's stages from the
+layout and runs one training step's micro-batches through torch's schedule.
+
+torch owns the schedules (1F1B, interleaved 1F1B, interleaved zero-bubble, ZBV, DualPipeV) and the
+point-to-point transfers. megafp8 owns what torch cannot know:
+
+- the stages: one ``GPTModel`` chunk per (virtual) stage with its global layer numbers
+  (``megafp8.parallel.pipeline_layout``), embedding on the first stage, norm + head on the last;
+- the p2p shapes: ``[s/TP, mb, h]`` under sequence parallelism (the sequence shard travels), declared
+  statically so torch never runs a shape-probing forward (which would fold extra FP8 amaxes);
+- byte counting: every activation / gradient send is charged to ``pp_p2p``;
+- the loss: each micro-batch contributes ``sum(loss * mask) / tokens in the step``, so the summed
+  micro-batch losses and the gradients equal the PP=1 run on the same batch (no ``scale_grads``);
+- the tied embedding: the first stage's ``embedding.weight`` and the last stage's
+  ``output_layer.weight`` start identical (layout-invariant init) and their gradients are summed over
+  the embedding group once per step (``embedding_allreduce``); when one rank holds both ends (V
+  schedules) the two chunks share one Parameter instead;
+- FP8: every micro-batch reuses the layer's cached FP8 weight (quantized once per optimizer step) and
+  the delayed-scaling amaxes of this rank's chunks are reduced once per step over the stage's TP x DP
+  group (``ParallelState.amax_group``).
+
+Zero-bubble schedules split each backward into an input-gradient (B) and a weight-gradient (W) pass.
+torch implements W by re-running autograd from saved intermediates, which calls a custom autograd
+Function's backward a second time: the FP8 linear op would compute and accumulate its wgrad (into
+``main_grad``) twice and repeat its sequence-parallel collectives. So with an FP8 recipe, and whenever
+``split_weight_grads=False`` (needed for grad buffers fed by post-accumulate-grad hooks, which torch's
+W pass bypasses), the W pass is empty and B computes both gradients: correct, without the bubble saving.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager
+from megafp8.model import GPTModel, ModelConfig
+from megafp8.parallel import collectives as C
+from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.pipeline_layout import ZERO_BUBBLE_SCHEDULES
+from megafp8.parallel.tensor_parallel import allreduce_sequence_parallel_grads
+
+_SCHEDULE_CLASSES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                     "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+                     "dualpipev": ScheduleDualPipeV}
+
+
+class PipelineCommunicationError(RuntimeError):
+    """A pipeline step failed in (or while waiting on) point-to-point communication with a peer stage."""
+
+
+class _CountedStage(PipelineStage):
+    """torch's PipelineStage with every activation / gradient send charged to ``pp_p2p``."""
+
+    def __init__(self, *args, counters: C.CommCounters, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._counters = counters
+
+    def _count(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        for op in ops:
+            self._counters.add("pp_p2p", op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
+
+
+class _StageModule(nn.Module):
+    """What torch's stage calls: token ids on the first stage, the previous stage's hidden states after it."""
+
+    def __init__(self, chunk: GPTModel) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk(x) if self.chunk.pre_process else self.chunk(None, hidden_states=x)
+
+
+class Pipeline:
+    """This rank's model chunks and the step that runs one global batch (this DP rank's share) through them.
+
+    ``chunks``: the GPTModel of each local stage in pipeline order (their parameter names are global, so
+    ``state_dict()`` is layout-independent). ``step(input_ids, labels, loss_mask=None)`` runs forward and
+    backward over ``num_microbatches`` micro-batches and leaves in every parameter's ``.grad`` (or
+    ``main_grad``) the gradient of the batch's mean token loss on this DP rank: sequence-parallel grads
+    reduced over TP, tied-embedding grads summed over the embedding group, delayed FP8 scales updated.
+    The data-parallel reduction and the optimizer step are the caller's.
+    """
+
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
+                 num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
+                 split_weight_grads: bool = True, device: torch.device | str | None = None,
+                 reduce_replicated_grads: bool = True) -> None:
+        ps = parallel_state
+        # False when a DistributedDataParallel grad buffer does these reductions itself (once per bucket).
+        self.reduce_replicated_grads = reduce_replicated_grads
+        ps.validate_model(config, global_batch_size=micro_batch_size * num_microbatches * ps.dp_size,
+                          micro_batch_size=micro_batch_size)
+        self.config, self.parallel_state = config, ps
+        self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.layout = ps.pipeline_layout(config.num_layers)
+        self.stage_ids = self.layout.stages_of_rank(ps.coords.pp)
+        last_stage = self.layout.num_stages - 1
+        self.chunks: list[GPTModel] = [
+            GPTModel(config, ps, pre_process=s == 0, post_process=s == last_stage,
+                     layer_numbers=self.layout.layer_numbers(s), fp8_recipe=fp8_recipe,
+                     first_last_layers_bf16=first_last_layers_bf16).to(self.device)
+            for s in self.stage_ids]
+        self.holds_first_stage = self.stage_ids[0] == 0
+        self.holds_last_stage = self.stage_ids[-1] == last_stage
+        if config.tie_embeddings and self.holds_first_stage and self.holds_last_stage and len(self.chunks) > 1:
+            # V schedules: both ends on this rank, so the head can use the embedding Parameter itself.
+            self.chunks[-1].output_layer.weight = self.chunks[0].embedding.weight
+        self.modules = nn.ModuleList(self.chunks)
+        self.fp8_manager: Fp8ScalingManager | None = (
+            fp8_scaling_manager(self.modules, ps) if fp8_recipe is not None and fp8_recipe.is_delayed else None)
+        self._step_tokens = torch.ones(())
+        self.schedule = self._build_schedule(fp8_recipe, split_weight_grads) if ps.pp_enabled else None
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _p2p_shape(self) -> tuple[int, int, int]:
+        cfg, ps = self.config, self.parallel_state
+        seq = cfg.seq_length // ps.tp_size if ps.sequence_parallel else cfg.seq_length
+        return seq, self.micro_batch_size, cfg.hidden_size
+
+    def _build_schedule(self, fp8_recipe: Fp8Recipe | None, split_weight_grads: bool):
+        ps, cfg = self.parallel_state, self.config
+        # Static shapes (torch then skips its shape-probing forward); requires_grad marks what carries a gradient.
+        hidden = torch.empty(self._p2p_shape(), dtype=cfg.params_dtype, device=self.device, requires_grad=True)
+        ids = torch.empty(self.micro_batch_size, cfg.seq_length, dtype=torch.long, device=self.device)
+        logits = torch.empty(self.micro_batch_size, cfg.seq_length, self.chunks[-1].padded_vocab_size // ps.tp_size,
+                             dtype=cfg.params_dtype, device=self.device, requires_grad=True)
+        no_split = ps.pipeline_schedule in ZERO_BUBBLE_SCHEDULES and (fp8_recipe is not None or not split_weight_grads)
+        stages = []
+        for stage_id, chunk in zip(self.stage_ids, self.chunks):
+            stages.append(_CountedStage(
+                _StageModule(chunk), stage_id, self.layout.num_stages, self.device,
+                input_args=ids if chunk.pre_process else hidden,
+                output_args=logits if chunk.post_process else hidden,
+                group=ps.pp_group.group, counters=ps.comm,
+                # An empty W pass: B computes input and weight grads together (module docstring).
+                dw_builder=(lambda: (lambda: None)) if no_split else None))
+        schedule_class = _SCHEDULE_CLASSES[ps.pipeline_schedule]
+        if schedule_class is Schedule1F1B:
+            return Schedule1F1B(stages[0], self.num_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+        return schedule_class(stages, self.num_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _microbatch_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Last stage: this micro-batch's share of the step's mean token loss. ``target`` packs
+        (labels, loss mask) as float64 ``[mb, s, 2]`` so torch splits both along the batch dim."""
+        labels, mask = target[..., 0].long(), target[..., 1].to(torch.float32)
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.parallel_state.tp_group,
+                                                 vocab_size=self.config.vocab_size)
+        return (per_token * mask).sum() / self._step_tokens
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward + backward of ``[micro_batch_size * num_microbatches, seq]`` tokens; returns the mean
+        token loss (fp32 scalar, on every pipeline rank)."""
+        expected = (self.micro_batch_size * self.num_microbatches, self.config.seq_length)
+        if tuple(input_ids.shape) != expected or tuple(labels.shape) != expected:
+            raise ValueError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} / labels {tuple(labels.shape)} must be "
+                             f"[--micro-batch-size x micro-batches, --seq-length] = {list(expected)}")
+        mask = torch.ones(expected, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
+        self._step_tokens = mask.sum().clamp(min=1.0)
+        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        loss = self._run_plain(input_ids, labels, mask) if self.schedule is None else \
+            self._run_schedule(input_ids, labels, mask)
+        if self.reduce_replicated_grads:
+            allreduce_sequence_parallel_grads(self.modules, self.parallel_state)
+            self._allreduce_tied_embedding_grads()
+        if self.fp8_manager is not None:
+            self.fp8_manager.update()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only (no grads, no FP8 scaling-state update); the mean token loss on every pipeline rank."""
+        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        mask = torch.ones(labels.shape, device=self.device)
+        self._step_tokens = mask.sum()
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            if self.schedule is None:
+                return sum((self.chunks[0](ids, lab) * m).sum() / self._step_tokens
+                           for ids, lab, m in zip(*(t.split(self.micro_batch_size) for t in (input_ids, labels, mask))))
+            args = (input_ids,) if self.holds_first_stage else ()
+            target = torch.stack([labels.double(), mask.double()], dim=-1) if self.holds_last_stage else None
+            losses: list[torch.Tensor] = []
+            self.schedule.eval(*args, target=target, losses=losses if self.holds_last_stage else None)
+            loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+            return C.all_reduce(loss.reshape(1), self.parallel_state.pp_group, "pp_p2p").reshape(())
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+
+    def _run_plain(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """PP=1: gradient accumulation over micro-batches, the same loss normalization as the schedules."""
+        model, total = self.chunks[0], torch.zeros((), device=self.device)
+        for ids, lab, m in zip(*(t.split(self.micro_batch_size) for t in (input_ids, labels, mask))):
+            loss = (model(ids, lab) * m).sum() / self._step_tokens
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def _run_schedule(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        args = (input_ids,) if self.holds_first_stage else ()
+        target = torch.stack([labels.double(), mask.double()], dim=-1) if self.holds_last_stage else None
+        losses: list[torch.Tensor] = []
+        try:
+            self.schedule.step(*args, target=target, losses=losses if self.holds_last_stage else None,
+                               return_outputs=False)
+        except Exception as error:  # torch raises plain RuntimeErrors from its p2p waits
+            if _is_communication_failure(error):
+                raise PipelineCommunicationError(self._failure_message(error)) from error
+            raise
+        loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
+        # Every pipeline rank returns the loss (the last stage computed it): one scalar all-reduce.
+        return C.all_reduce(loss.reshape(1), self.parallel_state.pp_group, "pp_p2p").reshape(())
+
+    def _failure_message(self, error: BaseException) -> str:
+        ps = self.parallel_state
+        return (f"pipeline rank {ps.coords.pp} (global rank {ps.rank}, stages {self.stage_ids} of "
+                f"{self.layout.num_stages}) failed in point-to-point communication: {error}\n"
+                "A peer pipeline stage died, hung, or expects different activation shapes "
+                f"(this rank sends [s/TP or s, micro-batch, hidden] = {list(self._p2p_shape())}). "
+                "--distributed-timeout-minutes bounds how long a rank waits.")
+
+    def _allreduce_tied_embedding_grads(self) -> None:
+        """Sum the tied embedding's grads of the first and last stage (different ranks) once per step."""
+        cfg, ps = self.config, self.parallel_state
+        if not cfg.tie_embeddings or not ps.pp_enabled or (self.holds_first_stage and self.holds_last_stage):
+            return
+        if self.holds_first_stage:
+            weight = self.chunks[0].embedding.weight
+        elif self.holds_last_stage:
+            weight = self.chunks[-1].output_layer.weight
+        else:
+            return
+        grad = getattr(weight, "main_grad", None)
+        if grad is None:
+            if weight.grad is None:  # e.g. no token in this step reached it: contribute zeros
+                weight.grad = torch.zeros_like(weight)
+            grad = weight.grad
+        C.all_reduce(grad, ps.embedding_group, "embedding_allreduce")
+
+    # ---- parameters and state -------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Global (layout-independent) names; a Parameter shared by two chunks appears once."""
+        seen: set[int] = set()
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (param for _, param in self.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            merged.update(chunk.state_dict())
+        return merged
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+
+
+def _is_communication_failure(error: BaseException) -> bool:
+    if isinstance(error, (dist.DistError, TimeoutError)):
+        return True
+    text = str(error).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe"))
+
+
+def build_pipeline(config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
+                   num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
+                   split_weight_grads: bool = True, device: torch.device | str | None = None,
+                   reduce_replicated_grads: bool = True) -> Pipeline:
+    """This rank's stages and step for ``parallel_state`` (PP=1 included: then a plain accumulation loop).
+
+    The schedule is ``parallel_state.pipeline_schedule`` (``--pipeline-schedule``); ``num_microbatches`` is
+    ``--global-batch-size / (--micro-batch-size x DP)``. See ``Pipeline`` for what a step does.
+    """
+    return Pipeline(config, parallel_state, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                    fp8_recipe=fp8_recipe, first_last_layers_bf16=first_last_layers_bf16,
+                    split_weight_grads=split_weight_grads, device=device,
+                    reduce_replicated_grads=reduce_replicated_grads)
