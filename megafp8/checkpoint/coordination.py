@@ -51,6 +51,8 @@ def run_agreed(step: Callable[[], T], what: str) -> T:
     failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
     if failed:
         unique = list(dict.fromkeys(message for _, message in failed))
+        if len(unique) > 3:  # rank-specific variants of one problem: show a few
+            unique = unique[:3] + [f"... and {len(unique) - 3} more different messages"]
         ranks = [rank for rank, _ in failed]
         prefix = f"(rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) " if world()[1] > 1 else ""
         raise error_type(prefix + "\n".join(unique))

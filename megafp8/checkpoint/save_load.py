@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import uuid
 import warnings
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from megafp8.checkpoint import atomic
 from megafp8.checkpoint.args_check import args_to_dict, check_args
@@ -227,6 +229,7 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
             state["extra"] = b""
             if saturation_guard is not None and "fp8_guard" in contents:
                 state["fp8_guard"] = {_rank_key(r): b"" for r in range(saved_layout["world_size"])}
+        _raise_if_missing(state, saved_keys, path, saved_layout)
         return state
 
     state = run_agreed(plan, f"loading {path}")
@@ -250,6 +253,20 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
             optimizer_loaded=load_optim, rng_restored=load_rng, messages=messages)
 
     return run_agreed(restore, f"restoring state from {path}")
+
+
+def _raise_if_missing(state: dict[str, Any], saved_keys: Collection[str], path: Path, saved_layout: dict) -> None:
+    """Name the entries this run needs that the checkpoint lacks (DCP would report only the first, per rank)."""
+    missing = [key for key in flatten_state_dict(state)[0] if key not in saved_keys]
+    if not missing:
+        return
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    hint = ""
+    if any(re.search(r"\.tp\d+\.rank\d+$", key) for key in missing):
+        hint = (f"\nFP8/fp16-coded optimizer state (per-group scales, the fp16 master scale) reshards over DP only: "
+                f"it was saved at --tensor-model-parallel-size {saved_layout['tensor_model_parallel_size']}; load it "
+                "at that size, or start the optimizer afresh with --no-load-optim")
+    raise CheckpointError(f"{path} lacks {len(missing)} entries this run needs: {shown}{hint}")
 
 
 def _restore_guard(guard: Any, rank_states: list[dict], model: Models) -> None:
