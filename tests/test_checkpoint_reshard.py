@@ -157,7 +157,28 @@ def _check_flat(root: str) -> None:
     assert template["step"] == 11
 
 
+def _check_pipeline_stages(root: str) -> None:
+    """P loaded at TP=1 x PP=2 x DP=2: every stage parameter equals the reference's tensor, the last
+    stage's tied output weight included (read from ``embedding.weight``)."""
+    cfg = _config(tie=True)
+    torch.manual_seed(0)
+    full = GPTModel(cfg, ParallelState().init_process_groups()).state_dict()
+    ps = ParallelState(world_size=4, pipeline_model_parallel_size=2).init_process_groups()
+    first, last = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
+    stage = GPTModel(cfg, ps, pre_process=first, post_process=last, layer_numbers=[ps.coords.pp])
+    load_checkpoint(f"{root}/P", model=stage, parallel_state=ps)
+    for name, value in stage.state_dict().items():
+        expected = full["embedding.weight" if name == "output_layer.weight" else name]
+        if name in ("embedding.weight", "output_layer.weight"):  # real vocab rows; padding rows are zero
+            value, expected = value[: cfg.vocab_size], expected[: cfg.vocab_size]
+        assert torch.equal(value, expected), name
+    assert sorted(stage.state_dict()) == sorted(
+        [k for k in full if k.startswith(f"layers.{ps.coords.pp}.")] + (["embedding.weight"] if first else [])
+        + (["final_layernorm.weight", "output_layer.weight"] if last else []))
+
+
 def _load_tp4_body(rank: int, world_size: int, root: str) -> None:
+    _check_pipeline_stages(root)
     _check_logits(root, tp=4)
     _check_fp8_and_moments(root, tp=4)
     _check_flat(root)
