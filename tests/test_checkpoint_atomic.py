@@ -123,6 +123,13 @@ def test_keep_last_deletes_only_older_committed_checkpoints(tmp_path):
     atomic.write_text_atomic(tmp_path / TRACKER_FILE, "30\n")
     atomic.prune_checkpoints(tmp_path, 1, protect=30)
     assert atomic.committed_iterations(tmp_path) == [30, 50]
+    # saving an iteration that exists again replaces it whole (moved aside, then deleted)
+    with torch.no_grad():
+        model.final_layernorm.weight.add_(1.0)
+    save_checkpoint(tmp_path, 50, model=model, parallel_state=ps)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000030", "iter_0000050", TRACKER_FILE]
+    fresh = _model(ps, seed=3)
+    assert load_checkpoint(tmp_path, model=fresh, parallel_state=ps).iteration == 50 and _state_equal(fresh, model)
 
 
 def test_loader_options(tmp_path):
