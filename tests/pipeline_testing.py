@@ -47,6 +47,7 @@ class Case:
     microbatches: int = 4
     micro_batch_size: int = 1
     steps: int = 2  # FP8 with TP > 1: one more (see the module docstring)
+    recompute: str | None = None  # "full" (uniform, 1 layer per group) or "selective", both sides
 
     def __str__(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v not in (None, False))
@@ -54,9 +55,12 @@ class Case:
 
 def config(case: Case) -> ModelConfig:
     # vocab 60 pads to 60 at TP=1 and 64 at TP=2: the padding differs between layouts.
+    recompute = dict(recompute_granularity=case.recompute)
+    if case.recompute == "full":
+        recompute.update(recompute_method="uniform", recompute_num_layers=1)
     return ModelConfig(num_layers=case.layers, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                        num_query_groups=2, seq_length=8, vocab_size=60, make_vocab_size_divisible_by=4,
-                       tie_embeddings=case.tie, seed=5)
+                       tie_embeddings=case.tie, seed=5, **recompute)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

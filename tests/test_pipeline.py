@@ -61,6 +61,8 @@ PP2_CASES = [
     Case(first=1, last=3),                           # uneven split
     Case(fp8=True, tie=True),
     Case(fp8=True, schedule="dualpipev"),            # zero-bubble with FP8: W folded into B
+    Case(schedule="zbv", recompute="full"),          # recomputation under torch's split B / W passes
+    Case(recompute="selective", fp8=True),
 ]
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.model.config import ModelConfig
+from megafp8.model.recompute import recompute
 from megafp8.model.rotary import apply_rotary
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
@@ -29,6 +30,7 @@ class SelfAttention(nn.Module):
         self.query_heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_heads = config.num_attention_heads // tp_size
         self.local_groups = config.num_query_groups // tp_size
+        self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, parallel_state,
                                                init_method=init_method_normal(config.init_method_std),
@@ -45,12 +47,19 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.local_heads, self.head_dim)  # heads of a group stay adjacent
         k = k.reshape(s, b, self.local_groups, self.head_dim)
         v = v.reshape(s, b, self.local_groups, self.head_dim)
-        cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core_attention and torch.is_grad_enabled():  # --recompute-granularity selective
+            out = recompute(self._core_attention, q, k, v, *rotary)
+        else:
+            out = self._core_attention(q, k, v, *rotary)
+        return self.linear_proj(out)
 
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        """Rotary + causal attention: ``[s, b, heads, d]`` q/k/v to ``[s, b, H/TP * d]``."""
+        s, b = q.shape[:2]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         # enable_gqa maps query head i to KV head i // r, matching the group-major head order above.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=self.local_heads != self.local_groups)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, H/TP * d]
-        return self.linear_proj(out)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, H/TP * d]

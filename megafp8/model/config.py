@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megafp8.model.recompute import recompute_errors
 from megafp8.parallel.sharding import pad_vocab_size
 
 ACTIVATIONS = ("swiglu", "smooth_swiglu")
@@ -36,6 +37,10 @@ class ModelConfig:
     # Every parameter is drawn from a generator seeded by (seed, its global name), full tensor then
     # sliced (megafp8.parallel.random): the same seed gives the same full model under any TP/PP layout.
     seed: int = 1234
+    # Activation recomputation (megafp8.model.recompute), Megatron's flags: full|selective, uniform|block.
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -44,6 +49,9 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        errors = recompute_errors(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        if errors:
+            raise ValueError("; ".join(errors))
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                              f"({self.max_position_embeddings})")

@@ -16,6 +16,7 @@ HF Llama counterparts and the fused layouts are in ``megafp8.model.hf_mapping``.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,10 +27,11 @@ from megafp8.model.attention import SelfAttention
 from megafp8.model.config import ModelConfig
 from megafp8.model.mlp import MLP
 from megafp8.model.norm import RMSNorm
+from megafp8.model.recompute import recompute, recomputed_layer_groups
 from megafp8.model.rotary import RotaryEmbedding
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megafp8.parallel.parallel_state import ParallelState
-from megafp8.parallel.random import initialize_parameters
+from megafp8.parallel.random import ModelParallelRNG, initialize_parameters
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 
 
@@ -102,9 +104,23 @@ class GPTModel(nn.Module):
         # Layout-invariant init: each parameter from the generator of (seed, global name), full tensor then
         # this rank's shard. The last stage's copy of a tied embedding is drawn as embedding.weight, so
         # both stages start identical without communication.
+        # Randomness inside recomputed layers is replayed from this tracker's saved states (set it with
+        # megafp8.parallel.random.model_parallel_seed when the model has random ops in TP regions).
+        self.rng: ModelParallelRNG | None = None
         aliases = {"output_layer.weight": "embedding.weight"} if config.tie_embeddings and not pre_process else {}
         initialize_parameters(self, config.seed, self.tp.rank, self.tp.size, vocab_size=config.vocab_size,
                               aliases=aliases)
+
+    def _run_layers(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        layers = list(self.layers.values())
+        cfg = self.config
+        if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
+            return _layers_forward(layers, x, *rotary)
+        for start, end, recomputed in recomputed_layer_groups(len(layers), cfg.recompute_method,
+                                                              cfg.recompute_num_layers):
+            run = functools.partial(_layers_forward, layers[start:end])
+            x = recompute(run, x, *rotary, rng=self.rng) if recomputed else run(x, *rotary)
+        return x
 
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,9 +134,7 @@ class GPTModel(nn.Module):
         else:
             x = hidden_states
         seq_len = x.shape[0] * (self.tp.size if self.parallel_state.sequence_parallel else 1)
-        rotary = self.rotary(seq_len)
-        for layer in self.layers.values():
-            x = layer(x, rotary)
+        x = self._run_layers(x, self.rotary(seq_len))
         if not self.post_process:
             return x
 
@@ -131,3 +145,10 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, vocab_size=self.config.vocab_size)
         return loss.t().contiguous()
+
+
+def _layers_forward(layers: Sequence[TransformerLayer], x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, (cos, sin))
+    return x
