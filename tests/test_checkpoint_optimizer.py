@@ -8,7 +8,6 @@ the same or another layout; the continued losses and grad norms are the oracle.
   them at another TP size fails with one CheckpointError naming the TP-bound entry.
 """
 import json
-import os
 
 import pytest
 import torch

@@ -12,7 +12,6 @@ Three checkpoints are written by one 4-process gloo job:
 - O: an optimizer-like 1-D flat state owned in uneven ranges (one empty) at DP=4, loaded at DP=2 as
   the exact re-slice, plus a python leaf.
 """
-import math
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from megafp8.fp8 import Fp8Recipe
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.parallel import collectives as C
 from megafp8.parallel.parallel_state import ParallelState
-from megafp8.parallel.sharding import resize_vocab_dim, shard_state_dict
+from megafp8.parallel.sharding import shard_state_dict
 
 BATCH = 2
 FLAT_NUMEL = 37

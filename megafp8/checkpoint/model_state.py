@@ -58,7 +58,9 @@ def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_sta
                 raise ValueError(f"model state: two model chunks both hold {key!r}")
             owners[key] = tensor
             local = tensor.detach()
-            state[key] = tensor_parallel_state(local, param, tp_rank, tp_size, vocab_size) if param is not None else local
+            if param is not None:
+                local = tensor_parallel_state(local, param, tp_rank, tp_size, vocab_size)
+            state[key] = local
     return state
 
 

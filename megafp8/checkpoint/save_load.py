@@ -88,7 +88,8 @@ def _summarize(error: BaseException) -> str:
         lines = []
         for rank, failure in sorted(failures.items()):
             exc = failure[0] if isinstance(failure, tuple) else failure
-            lines.append(f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+            last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            lines.append(f"rank {rank}: {type(exc).__name__}: {last_line}")
         return "; ".join(dict.fromkeys(lines))
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[-1] if text else ''}"
@@ -219,7 +220,8 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
         for key in cold:
             del model_state[key]
         if cold:
-            messages.append(f"{len(cold)} FP8 scaling tensors are not in {path}: those delayed-scaling states start cold")
+            messages.append(f"{len(cold)} FP8 scaling tensors are not in {path}: "
+                            "those delayed-scaling states start cold")
         state: dict[str, Any] = {"model": model_state}
         if load_optim:
             state["optimizer"] = optimizer_state

@@ -207,7 +207,8 @@ def param_flat_range_state(local_flat: torch.Tensor, flat_start: int, param: tor
         raise ValueError(f"param_flat_range_state: expected a 1-D range, got shape {tuple(local_flat.shape)}")
     end = flat_start + local_flat.numel()
     if flat_start < 0 or end > param.numel():
-        raise ValueError(f"param_flat_range_state: range [{flat_start}, {end}) outside the shard's {param.numel()} elements")
+        raise ValueError(f"param_flat_range_state: range [{flat_start}, {end}) outside the shard's "
+                         f"{param.numel()} elements")
     global_shape = _tp_layout(param, tp_rank, tp_size, vocab_size)[0]
     chunks = []
     for offsets, sizes, flat in _flat_range_boxes(list(param.shape), flat_start, end):
