@@ -69,6 +69,22 @@ def _collectives_body(rank: int, world_size: int) -> None:
     assert torch.equal(all_data.view(torch.uint8), expected_bits)
     torch.testing.assert_close(all_scales, torch.tensor([0.5 + r for r in range(n)]))
     assert counters["tp_sp_allgather"] == (3 * 5 * 1 + 4) * (n - 1)
+    assert counters.calls("tp_sp_allgather") == 1, "bytes and scales travel in one collective"
+
+    # async variants: the same results once waited on; per-row scales come back concatenated like the rows
+    counters.reset()
+    row_scales = torch.arange(3, dtype=torch.float32).view(3, 1) + 10 * rank
+    pending = C.all_gather_quantized_async(data, row_scales, tp)
+    summed = C.all_reduce_async(torch.full((4,), float(rank + 1)), tp, "tp_allreduce")
+    out = torch.empty(2, 5)
+    scattered = C.reduce_scatter_tensor_async(out, torch.stack([s[:2] for s in shards]).sum(0).repeat(n, 1), tp,
+                                              "tp_reduce_scatter")
+    all_data, all_scales = pending.wait()
+    assert torch.equal(all_data.view(torch.uint8), expected_bits)
+    assert torch.equal(all_scales, torch.cat([torch.arange(3.0).view(3, 1) + 10 * r for r in range(n)]))
+    assert torch.equal(summed.wait(), torch.full((4,), float(n * (n + 1) // 2)))
+    torch.testing.assert_close(scattered.wait(), n * torch.stack([s[:2] for s in shards]).sum(0))
+    assert pending.wait() is not None and counters.calls("tp_sp_allgather") == 1
     # ... and at bf16 the same activation would cost 2 bytes per element: the FP8 ratio is ~0.5
     counters.reset()
     C.all_gather(shards[rank].to(torch.bfloat16), tp, "tp_sp_allgather")
