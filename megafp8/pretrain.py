@@ -1,54 +1,50 @@
 """Training entry point: `torchrun [...] -m megafp8.pretrain [flags]` (console script `megafp8-pretrain`).
 
-The 3D-parallel training loop is not built yet. Until it is, this entry point runs the FP8 kernel
-self-check on this machine — every scaling mode's quantize + GEMM against an fp64 GEMM — so the
-quickstart exercises what exists, and says plainly what does not.
+Everything a user can get wrong (flags, the layout, the tokenizer, the data prefixes) is checked on
+every rank before any process-group work, and reported once, by rank 0, with exit status 2.
+`--fp8-self-check` alone runs the FP8 kernel self-check instead of training.
 """
 from __future__ import annotations
 
+import os
 import sys
 
-import torch
+from megafp8.data.builder import parse_data_path
+from megafp8.parallel.parallel_state import LayoutError, initialize_distributed
+from megafp8.training.arguments import ArgumentError, parse_args
+from megafp8.training.data_setup import tokenizer_vocab_size
+from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args
 
-from megafp8_kernels import E4M3, GemmScaleMode, fp8_gemm, quantize, resolve_backend
 
-
-def fp8_gemm_self_check(M: int = 256, N: int = 512, K: int = 1024, seed: int = 0) -> dict[str, float]:
-    """SQNR (dB) of FP8 quantize+GEMM vs fp64 for each scale mode, on Gaussian data with outlier channels."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g)
-    x[:, torch.randperm(K, generator=g)[:4]] *= 20.0  # outlier channels, as in LLM activations
-    w = torch.randn(N, K, generator=g) * 0.02
-    exact = x.double() @ w.double().t()
-    results = {}
-    for mode in GemmScaleMode:
-        gran_x, gran_w = mode.operand_granularities
-        qx = quantize(x.to(device), E4M3.dtype, gran_x)
-        qw = quantize(w.to(device), E4M3.dtype, gran_w)
-        out = fp8_gemm(qx.data, qw.data, qx.scale_inv, qw.scale_inv).cpu().double()
-        results[mode.value] = (10 * torch.log10(exact.pow(2).mean() / (out - exact).pow(2).mean())).item()
-    return results
+def _fail(message: str) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megafp8-pretrain: error: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+    if argv == ["--fp8-self-check"]:
+        from megafp8.training.self_check import print_self_check
+
+        print_self_check()
         return 0
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"megafp8: FP8 kernel self-check on {device} (backend: {resolve_backend(device)})")
-    print("  scale mode        SQNR vs fp64 (E4M3 x E4M3, 256x512x1024, outlier channels)")
-    for mode, db in fp8_gemm_self_check().items():
-        print(f"  {mode:<17} {db:6.1f} dB")
-    print("megafp8: the training loop is not yet available (pipeline schedules, the ZeRO FP8 optimizer, the "
-          "train loop and checkpoints are open issues); the FP8 TP/SP model is in megafp8.model.")
-    if argv:
-        # Exiting 0 here would let a launch script believe it trained: refuse the flags instead.
-        print(f"megafp8: error: training flags given ({' '.join(argv)}), but the training loop does not exist yet; "
-              "run without flags for the kernel self-check", file=sys.stderr)
-        return 2
-    return 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args = parse_args(argv, world_size)
+        parallel_state = parallel_state_from_args(args)
+        config = model_config_from_args(args, tokenizer_vocab_size(args))
+        parallel_state.validate_model(config, global_batch_size=args.global_batch_size,
+                                      micro_batch_size=args.micro_batch_size)
+        parse_data_path(args.data_path)  # every prefix exists
+    except (ArgumentError, LayoutError, ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+
+    from megafp8.training.run import run  # heavy imports only once the flags are known to be good
+
+    if "WORLD_SIZE" in os.environ:  # under torchrun; a plain `python -m` run is one process, no group needed
+        initialize_distributed(timeout_minutes=args.distributed_timeout_minutes)
+    return run(args, parallel_state, config)
 
 
 if __name__ == "__main__":

@@ -154,11 +154,11 @@ class Pipeline:
                 dw_builder=(lambda: (lambda: None)) if no_split else None))
         schedule_class = _SCHEDULE_CLASSES[ps.pipeline_schedule]
         if schedule_class is Schedule1F1B:
-            return Schedule1F1B(stages[0], self.num_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
-        return schedule_class(stages, self.num_microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
+            return Schedule1F1B(stages[0], self.num_microbatches, loss_fn=self.microbatch_loss, scale_grads=False)
+        return schedule_class(stages, self.num_microbatches, loss_fn=self.microbatch_loss, scale_grads=False)
 
     # ---- the step -------------------------------------------------------------------------------
-    def _microbatch_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def microbatch_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Last stage: this micro-batch's share of the step's mean token loss. ``target`` packs
         (labels, loss mask) as float64 ``[mb, s, 2]`` so torch splits both along the batch dim."""
         labels, mask = target[..., 0].long(), target[..., 1].to(torch.float32)

@@ -1,0 +1,204 @@
+"""The training loop: micro-batches through the model, the optimizer step, the FP8 scaling update, the
+LR schedule, evaluation, logging, checkpoints and the exit conditions, on one rank of a 3D layout.
+
+Order of one iteration (every rank):
+    zero the grad buffer -> forward/backward of each micro-batch -> finish the DP grad reduction ->
+    optimizer step at lr(consumed samples) (skipped on every rank if any grad is non-finite) ->
+    FP8 delayed-scaling update (one amax collective) -> saturation guard -> log / evaluate / save / exit.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
+from megafp8.optim.lr_schedule import LearningRateSchedule
+from megafp8.parallel import collectives as C
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.data_setup import batches, build_datasets
+from megafp8.training.flops import flops_per_iteration
+from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
+
+
+@dataclass
+class TrainProgress:
+    """What a resume needs to continue the run where it stopped (saved in checkpoints)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+def learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule:
+    """--lr, --min-lr, --lr-decay-style and the warm-up/decay lengths (iterations or samples)."""
+    warmup = args.lr_warmup_samples if args.lr_warmup_samples is not None else args.lr_warmup_iters * args.global_batch_size
+    if args.lr_decay_samples is not None:
+        decay = args.lr_decay_samples
+    elif args.lr_decay_iters is not None:
+        decay = args.lr_decay_iters * args.global_batch_size
+    else:
+        decay = args.train_samples
+    return LearningRateSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_samples=warmup, decay_samples=decay,
+                                decay_style=args.lr_decay_style)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask the loop to finish the current step, save and exit 0 (a scheduler's preemption)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.requested = True
+
+    def agreed(self, group) -> bool:
+        """True on every rank if any rank was signalled (all must save the same iteration)."""
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _mean_over(value: torch.Tensor, group) -> float:
+    """Average of a scalar over a group (the DP replicas' losses). Logging-sized: not byte-counted."""
+    value = value.detach().float().reshape(1).cpu()
+    if group is not None:
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return value.item()
+
+
+class Trainer:
+    """One rank's training run over this rank's pipeline chunks (`megafp8.parallel.pipeline.Pipeline`, PP=1
+    included), their data-parallel grad buffer (`DistributedDataParallel`) and the ZeRO optimizer."""
+
+    def __init__(self, args: argparse.Namespace, parallel_state: ParallelState, pipeline, ddp, optimizer,
+                 progress: TrainProgress | None = None, checkpointer=None) -> None:
+        self.args, self.ps, self.pipeline, self.ddp, self.optimizer = args, parallel_state, pipeline, ddp, optimizer
+        self.progress = progress or TrainProgress()
+        self.checkpointer = checkpointer
+        self.recipe = Fp8Recipe.from_args(args)
+        self.guard = SaturationGuard(all_reduce_max=self._amax_group_max) if self.recipe else None
+        self.schedule = learning_rate_schedule(args)
+        self.train_iters = -(-args.train_samples // args.global_batch_size)
+        # The last pipeline stage computes the loss; its first TP/DP rank speaks for the run.
+        self.is_logging_rank = parallel_state.rank == parallel_state.world_size - parallel_state.tp_size * parallel_state.dp_size
+        self.log = TrainingLog(args.log_dir, args.tensorboard_dir) if self.is_logging_rank else TrainingLog()
+        self.train_data, self.valid_data = build_datasets(args)
+        self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
+        self.valid_batches = batches(self.valid_data, 0, args, parallel_state, cycle=True) if self.valid_data else None
+        self.flops = flops_per_iteration(args.global_batch_size, num_layers=args.num_layers,
+                                         hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                                         num_attention_heads=args.num_attention_heads,
+                                         num_query_groups=args.num_query_groups, seq_length=args.seq_length,
+                                         padded_vocab_size=pipeline.chunks[0].padded_vocab_size)
+        self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+
+    def _amax_group_max(self, tensor: torch.Tensor) -> None:
+        C.all_reduce(tensor, self.ps.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP rank's share of a global batch: (inputs, labels), each [micro x micro-batches, seq]."""
+        tokens = torch.cat([next(source) for _ in range(self.args.num_micro_batches)])
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def train_step(self) -> tuple[float, bool, float]:
+        """(loss averaged over micro-batches and DP, optimizer updated?, grad norm)."""
+        self.ddp.zero_grad_buffer()
+        inputs, labels = self._global_batch(self.train_batches)
+        loss = self.pipeline.step(inputs, labels)  # also the FP8 amax reduction and scale update
+        result = self.optimizer.step(self.schedule(self.progress.consumed_samples))  # finishes the DP grad sync
+        if self.guard is not None:
+            for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
+                if self.is_logging_rank:
+                    print(f" fp8 saturation guard: {message}", flush=True)
+        return _mean_over(loss, self.ps.dp_group.group), not result.skipped, result.grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over --eval-iters global batches (no grads, no FP8 scaling-state updates)."""
+        losses = [self.pipeline.evaluate(*self._global_batch(self.valid_batches)) for _ in range(self.args.eval_iters)]
+        return _mean_over(torch.stack(losses).mean(), self.ps.dp_group.group)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def train(self) -> TrainProgress:
+        args, p = self.args, self.progress
+        stop = StopSignal()
+        start_time = time.monotonic()
+        window_start, window_iters = time.perf_counter(), 0
+        try:
+            while p.iteration < self.train_iters:
+                telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
+                if self.recipe is not None:  # the saturation guard reads telemetry every step
+                    enable_fp8_telemetry(self.ddp.module, True)
+                lr = self.schedule(p.consumed_samples)
+                loss, updated, grad_norm = self.train_step()
+                p.iteration += 1
+                p.consumed_samples += args.global_batch_size
+                window_iters += 1
+                if not updated:
+                    p.skipped_iterations += 1
+                    p.nan_iterations += int(not math.isfinite(grad_norm) or not math.isfinite(loss))
+                if p.iteration % args.log_interval == 0:
+                    elapsed = (time.perf_counter() - window_start) / window_iters
+                    self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None)
+                    window_start, window_iters = time.perf_counter(), 0
+                if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
+                    self._log_validation(self.evaluate())
+                stop_now = stop.agreed(None) or self._out_of_time(start_time) or (
+                    args.exit_interval is not None and p.iteration % args.exit_interval == 0)
+                if self.checkpointer is not None and (stop_now or (args.save_interval is not None
+                                                                   and p.iteration % args.save_interval == 0)):
+                    self.checkpointer.save(self)
+                if stop_now:
+                    break
+            else:
+                if self.checkpointer is not None and (args.save_interval is None or p.iteration % args.save_interval):
+                    self.checkpointer.save(self)  # the final state, unless the last interval just saved it
+        finally:
+            stop.restore()
+            self.log.close()
+        return p
+
+    def _out_of_time(self, start_time: float) -> bool:
+        if self.args.exit_duration_in_mins is None:
+            return False
+        flag = torch.tensor([float(time.monotonic() - start_time > 60 * self.args.exit_duration_in_mins)])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
+        return bool(flag.item())
+
+    def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry) -> None:
+        tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
+        record = IterationRecord(
+            iteration=self.progress.iteration, train_iters=self.train_iters,
+            consumed_samples=self.progress.consumed_samples, lm_loss=loss, grad_norm=grad_norm, lr=lr,
+            tokens_per_s=self.args.global_batch_size * self.args.seq_length / seconds_per_iteration,
+            skipped_iterations=self.progress.skipped_iterations, nan_iterations=self.progress.nan_iterations,
+            elapsed_ms_per_iteration=1e3 * seconds_per_iteration, tflops_per_device=tflops,
+            comm_bytes=self.ps.comm.snapshot_and_reset(),
+            model_state_bytes_per_param=self.optimizer.model_state_bytes_per_param(),
+            mfu_bf16=tflops / self.peak[0] if self.peak else None, mfu_fp8=tflops / self.peak[1] if self.peak else None)
+        if self.is_logging_rank:
+            print(record.console_line(), flush=True)
+            self.log.log_iteration(record, telemetry)
+
+    def _log_validation(self, val_loss: float) -> None:
+        if self.is_logging_rank:
+            print(f" validation loss at iteration {self.progress.iteration} | lm loss: {val_loss:.6E} |", flush=True)
+            self.log.log_validation(self.progress.iteration, val_loss)
