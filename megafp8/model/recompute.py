@@ -77,10 +77,26 @@ def _tracked_rng_states(rng: ModelParallelRNG, states: dict) -> Iterator[None]:
         rng.load_state_dict(current)
 
 
+class _KeepForRecompute(torch.autograd.Function):
+    """Identity that saves the region's inputs for backward, as Megatron's CheckpointFunction does: torch's
+    checkpoint keeps them alive anyway (its recompute closure holds them), but saving them here makes
+    them visible to saved-tensor accounting (megafp8.parallel.pipeline_memory) at no extra memory."""
+
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor):
+        ctx.save_for_backward(*tensors)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return grads
+
+
 def recompute(function: Callable[..., torch.Tensor], *args: torch.Tensor,
               rng: ModelParallelRNG | None = None) -> torch.Tensor:
     """``function(*args)``, keeping only ``args`` for backward and re-running ``function`` there with the
     RNG states (default generators and ``rng``'s tracked ones) the forward saw."""
+    args = _KeepForRecompute.apply(*args)
     if rng is None:
         return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     states = rng.state_dict()
