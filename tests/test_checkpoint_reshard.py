@@ -13,8 +13,12 @@ Three checkpoints are written by one 4-process gloo job:
   the exact re-slice, plus a python leaf.
 """
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from distributed_testing import run_distributed
 from megafp8.checkpoint import flat_sharded_state, load_checkpoint, param_flat_range_state, save_checkpoint
@@ -183,10 +187,32 @@ def _load_tp4_body(rank: int, world_size: int, root: str) -> None:
     _check_flat(root)
 
 
+def _check_saved_once(root: str) -> None:
+    """F was written by TP=2 x DP=2: every element is stored once (DP replicas deduplicated), replicated
+    tensors as one chunk, the fused FC1 weight (stride 2) as 2 blocks x 2 TP ranks, vocab padding not at all."""
+    full_metadata = dcp.FileSystemReader(f"{root}/F/iter_0000005").read_metadata()
+    metadata = full_metadata.state_dict_metadata
+    tensors = {k: v for k, v in metadata.items() if hasattr(v, "chunks")}
+    for key, md in tensors.items():
+        assert sum(math.prod(c.sizes) for c in md.chunks) == math.prod(md.size), key
+    assert len(tensors["model.layers.0.input_layernorm.weight"].chunks) == 1
+    assert len(tensors["model.layers.0.mlp.linear_fc1.weight"].chunks) == 4
+    assert len(tensors["model.layers.0.mlp.linear_fc1.fp8_scaling.input.amax_history"].chunks) == 1
+    assert tensors["model.output_layer.weight"].size == torch.Size([100, 64])  # the real vocab, not 112
+    items = full_metadata.storage_data.items()
+    data_bytes = sum(p.stat().st_size for p in Path(f"{root}/F/iter_0000005").glob("*.distcp"))
+    assert data_bytes == sum(info.length for _, info in items)
+    tensor_bytes = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in tensors.values())
+    stored = [info.length for index, info in items if index.fqn in tensors]
+    # DCP frames each stored item (~1.6 kB); a DP replica writing its copy too would add tensor_bytes again
+    assert tensor_bytes <= sum(stored) < tensor_bytes + 2048 * len(stored)
+
+
 @pytest.mark.distributed
 def test_reshard_on_load(tmp_path):
     root = str(tmp_path)
     run_distributed(_save_body, world_size=4, args=(root,), timeout_s=600)
+    _check_saved_once(root)
     run_distributed(_load_tp4_body, world_size=4, args=(root,), timeout_s=600)
     # TP=1 in this process: no process group at all
     _check_logits(root, tp=1)

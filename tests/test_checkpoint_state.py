@@ -122,3 +122,18 @@ def test_rng_extra_and_guard_across_pipeline_stages(tmp_path):
     assert model.layers["0"].self_attention.linear_qkv.guard_high_precision
     assert model.layers["1"].self_attention.linear_qkv.guard_high_precision
     assert loaded.extra["skipped"] == 2
+
+
+def test_model_chunks_list_loads_into_one_model(tmp_path):
+    """A rank's list of pipeline chunks (global layer names) saves as one model; PP=1 loads it whole."""
+    ps = ParallelState().init_process_groups()
+    cfg = ModelConfig(**{**vars(_config()), "tie_embeddings": False})
+    torch.manual_seed(0)
+    chunks = [GPTModel(cfg, ps, post_process=False, layer_numbers=[0]),
+              GPTModel(cfg, ps, pre_process=False, layer_numbers=[1])]
+    save_checkpoint(tmp_path, 1, model=chunks, parallel_state=ps)
+    whole = GPTModel(cfg, ps)
+    load_checkpoint(tmp_path, model=whole, parallel_state=ps)
+    merged = {**chunks[0].state_dict(), **chunks[1].state_dict()}
+    assert merged.keys() == whole.state_dict().keys()
+    assert all(torch.equal(v, merged[k]) for k, v in whole.state_dict().items())
