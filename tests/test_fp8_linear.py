@@ -316,7 +316,8 @@ def test_injected_weight_must_match_the_recipe():
     with pytest.raises(ValueError, match="injected FP8 weight is .* tensorwise"):
         layer(torch.randn(4, 128))
     with pytest.raises(ValueError, match="shape"):
-        layer.set_fp8_weight(Float8Tensor.from_quantized(quantize(torch.randn(64, 128), torch.float8_e4m3fn), Granularity.TENSORWISE))
+        wrong_shape = quantize(torch.randn(64, 128), torch.float8_e4m3fn)
+        layer.set_fp8_weight(Float8Tensor.from_quantized(wrong_shape, Granularity.TENSORWISE))
 
 
 # ---- delayed scaling: cold start and evaluation ----

@@ -162,8 +162,11 @@ def _requantized_transpose_sqnr(x: torch.Tensor, recipe: Fp8Recipe, n: int) -> t
                             torch.cat([q.scale_inv for q in shards]))
     old = _with_transposed_copy(gathered, False)
     new = quantize(x, dtype, gran, transpose=True)
-    return (sqnr_db(Float8Tensor(old.shape, dtype, gran, data_t=old.data_t, scale_inv_t=old.scale_inv_t).dequantize(), x),
-            sqnr_db(Float8Tensor(tuple(x.shape), dtype, gran, data_t=new.data_t, scale_inv_t=new.scale_inv_t).dequantize(), x))
+    def transposed_only(data_t, scale_inv_t):
+        return Float8Tensor(tuple(x.shape), dtype, gran, data_t=data_t, scale_inv_t=scale_inv_t).dequantize()
+
+    return (sqnr_db(transposed_only(old.data_t, old.scale_inv_t), x),
+            sqnr_db(transposed_only(new.data_t, new.scale_inv_t), x))
 
 
 def _sp_transposed_input_body(rank: int, world_size: int, results_file: str) -> None:

@@ -1,5 +1,6 @@
 """FP8-capable linear modules: the shared base (recipe, delayed-scaling state, the per-step FP8 weight:
-cached or injected by the optimizer, telemetry) and the plain Fp8Linear. Tensor-parallel layers in megafp8.parallel derive from the same base.
+cached or injected by the optimizer, telemetry) and the plain Fp8Linear. Tensor-parallel layers in
+megafp8.parallel derive from the same base.
 
 The autograd op itself (the three FP8 GEMMs) is in linear_function.py.
 """

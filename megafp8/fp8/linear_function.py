@@ -182,7 +182,8 @@ def _local_transposed_shard(x2d: torch.Tensor, local: Float8Tensor, recipe: Fp8R
     fmt = fp8_format(recipe.dtype(role))
     scale = scale_from_amax(amax, fmt.max, recipe.power_of_2_scale)
     # x * scale is rounded exactly as the quantizer rounds it; a given scale of one only casts (saturating).
-    data_t = quantize(xt * scale[:, group], fmt.dtype, Granularity.TENSORWISE, scale=torch.ones((), device=xt.device)).data
+    one = torch.ones((), device=xt.device)
+    data_t = quantize(xt * scale[:, group], fmt.dtype, Granularity.TENSORWISE, scale=one).data
     return data_t, torch.ones_like(scale) / scale  # an IEEE reciprocal, as the quantizer's
 
 
