@@ -110,3 +110,32 @@ def test_block_compiles_fullgraph_fp8(recipe):
         _assert_same_results(eager, _run(block, rotary, x, recipe, compiled), rtol=1e-5, atol=1e-6)
     for name, b in block.named_buffers():
         torch.testing.assert_close(b, after_eager[name], rtol=0, atol=0, msg=name)
+
+
+def test_whole_model_with_loss_compiles_fullgraph_delayed_fp8():
+    """Embedding, two FP8 blocks (per-layer recipes from the model's precision map), output head and
+    vocab-parallel cross-entropy (TP=1): one graph, the eager loss and grads."""
+    torch.manual_seed(2)
+    cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, seq_length=16)
+    model = GPTModel(cfg, ParallelState().init_process_groups(), fp8_recipe=Fp8Recipe.delayed(amax_history_len=4))
+    g = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 100, (2, 16), generator=g), torch.randint(0, 100, (2, 16), generator=g)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(ids, labels).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    step(model)  # allocate and warm the delayed-scaling states
+    states = {n: b.clone() for n, b in model.named_buffers()}
+    loss0, grads0 = step(model)
+    for name, b in model.named_buffers():
+        b.copy_(states[name])
+    torch._dynamo.reset()
+    loss1, grads1 = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    with fp8_autocast(enabled=False):  # the same model in fp32 gives another loss: FP8 really ran
+        assert not torch.allclose(model(ids, labels).mean().detach(), loss0, rtol=1e-6, atol=0)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-6, msg=name)
