@@ -40,8 +40,9 @@ def local_micro_batches(cfg, step: int, dp: int, dp_rank: int, sequences: int | 
 
 
 def train_step(ddp: DistributedDataParallel, opt: DistributedOptimizer, cfg, step: int, lr: float,
-               sequences: int | None = None):
-    """One iteration: micro-batches (all but the last under no_sync), then the optimizer step."""
+               sequences: int | None = None, before_step=None):
+    """One iteration: micro-batches (all but the last under no_sync), ``before_step()`` (e.g. the
+    delayed-scaling update), then the optimizer step."""
     opt.zero_grad()
     batches = local_micro_batches(cfg, step, ddp.dp.size, ddp.dp.rank, sequences)
     losses = []
@@ -51,6 +52,8 @@ def train_step(ddp: DistributedDataParallel, opt: DistributedOptimizer, cfg, ste
             loss = ddp(ids, labels).mean() / len(batches)
             loss.backward()
         losses.append(loss.detach())
+    if before_step is not None:
+        before_step()
     return opt.step(lr), float(sum(losses))
 
 

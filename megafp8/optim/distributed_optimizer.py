@@ -98,8 +98,8 @@ class DistributedOptimizer:
         self.exp_avg = make_state_codec(optimizer_state_dtype, numel, device)
         self.exp_avg_sq = make_state_codec(optimizer_state_dtype, numel, device)
         self._init_master()
+        ddp.release_fp8_param_storage()  # the master now holds those values
         self._publish()
-        ddp.release_fp8_param_storage()
         ddp.finish_param_sync()
 
     # ---- ranges ---------------------------------------------------------------------------------
@@ -242,49 +242,45 @@ class DistributedOptimizer:
         self.ddp.start_param_sync()
 
     def _publish_fp8(self, fp8_frags: list[Fragment]) -> None:
+        """Cast each owned shard of an FP8 layer's weight to FP8 with scales every DP rank agrees on
+        (see megafp8.optim.fp8_param_cast) and record the scales the layers will be handed."""
         infos = self.ddp.fp8_params
-        scales: dict[nn.Parameter, torch.Tensor] = {}
-        current = []
-        for p, info in infos.items():
-            state = info.module.scaling_state("weight", info.recipe)
-            if state is not None and not getattr(state, "is_cold", False):
-                scales[p] = state.scale.reshape(1)
-            else:
-                current.append(p)
-        if current:  # current scaling: agree on every group's amax first (one batched MAX all-reduce)
-            sizes = [num_scale_groups(tuple(p.shape), infos[p].recipe.granularity("weight")) for p in current]
+        quant = {p: info.module.fp8_weight_quantization(info.recipe) for p, info in infos.items()}
+        for q in quant.values():
+            # Every rank observes every FP8 weight (0 where it owns none of it; the amax group's MAX gives
+            # the whole tensor's): a state's host-side cold/warm switch must flip on all ranks at once.
+            q.observe(torch.zeros((), device=self.master_scale.device))
+        scales = {p: q.scale.reshape(1) for p, q in quant.items() if q.scale is not None}
+        current = [p for p in infos if p not in scales]
+        if current:  # current scaling (or a cold delayed state): one batched MAX all-reduce of group amaxes
+            sizes = [num_scale_groups(tuple(p.shape), quant[p].granularity) for p in current]
             amax = torch.zeros(sum(sizes), device=self.master_scale.device)
             views = dict(zip(current, amax.split(sizes)))
             for frag in fp8_frags:
                 if frag.param in views:
-                    self._for_fp8_chunks(frag, lambda values, groups, v=views[frag.param]:
+                    self._for_fp8_chunks(frag, quant[frag.param], lambda values, groups, _pl, v=views[frag.param]:
                                          accumulate_group_amax(v, values, groups))
             C.all_reduce(amax, self.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
             for p in current:
-                recipe = infos[p].recipe
-                scales[p] = scale_from_amax(views[p], fp8_format(recipe.dtype("weight")).max, recipe.power_of_2_scale)
+                q = quant[p]
+                scales[p] = scale_from_amax(views[p], fp8_format(q.fp8_dtype).max, q.power_of_2_scale)
         for p, info in infos.items():
-            info.scale_inv = scale_inv_for(scales[p], tuple(p.shape), info.recipe.granularity("weight"))
+            info.scale_inv = scale_inv_for(scales[p], tuple(p.shape), quant[p].granularity)
         for frag in fp8_frags:
-            info = infos[frag.param]
-            fp8_dtype, state = info.recipe.dtype("weight"), info.module.scaling_state("weight", info.recipe)
-            offset = frag.bucket_lo
+            q, out = quant[frag.param], frag.bucket.fp8_data
 
-            def write(values, groups, frag=frag, fp8_dtype=fp8_dtype, state=state):
-                nonlocal offset
-                frag.bucket.fp8_data[offset:offset + values.numel()].copy_(
-                    cast_to_fp8(values, scales[frag.param], groups, fp8_dtype))
-                offset += values.numel()
-                if state is not None:  # the weight role's amax feeds its delayed-scaling history
-                    state.observe(values.abs().amax())
+            def write(values, groups, param_lo, frag=frag, q=q, out=out):
+                lo = frag.bucket_lo + param_lo - frag.param_lo
+                out[lo:lo + values.numel()].copy_(cast_to_fp8(values, scales[frag.param], groups, q.fp8_dtype))
+                if q.state is not None:  # the weight role's amax keeps feeding its delayed-scaling history
+                    q.observe(values.abs().amax())
 
-            self._for_fp8_chunks(frag, write)
+            self._for_fp8_chunks(frag, q, write)
 
-    def _for_fp8_chunks(self, frag: Fragment, fn) -> None:
-        gran = self.ddp.fp8_params[frag.param].recipe.granularity("weight")
+    def _for_fp8_chunks(self, frag: Fragment, quant, fn) -> None:
         for _b, s, n, pl in self._chunks(frag):
             values = self._decode_master(frag, s, n)
-            fn(values, group_index(pl, pl + n, tuple(frag.param.shape), gran, values.device))
+            fn(values, group_index(pl, pl + n, tuple(frag.param.shape), quant.granularity, values.device), pl)
 
     # ---- accounting -----------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:

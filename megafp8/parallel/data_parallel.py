@@ -12,15 +12,18 @@ the buffer; parameter values live in per-bucket buffers (``param.data`` is a vie
 writes straight into the parameters.
 
 Extra reductions of replicated parameters happen once, when their bucket is reduced: grads of
-``sequence_parallel`` parameters (norm weights, row-parallel biases under SP) are summed over TP,
-grads of ``shared_embedding`` parameters (a tied output head on another pipeline stage, and the
-embedding it is tied to) over the embedding group. Do not also call
-``tensor_parallel.allreduce_sequence_parallel_grads``.
+``sequence_parallel`` parameters (norm weights, row-parallel biases under SP) are summed over TP
+(inside backward: every TP rank runs the same schedule); the tied embedding's two copies under
+pipeline parallelism (the last stage's ``shared_embedding`` output weight and the first stage's
+embedding weight) are summed over the embedding group in ``finish_grad_sync``, never inside backward
+(the first stage reaches its embedding's backward only after the last stage's backward has run, so a
+blocking collective there would deadlock); their buckets are reduced over DP after that sum. Do not
+also call ``tensor_parallel.allreduce_sequence_parallel_grads`` or the pipeline's tied-embedding sum.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +94,7 @@ class Bucket:
     fp8: bool = False                # weights of FP8 layers, gathered as FP8 bytes
     fp8_data: torch.Tensor | None = None  # uint8, the gathered FP8 bytes (FP8 buckets)
     ready: set = field(default_factory=set)
+    deferred: bool = False  # holds a tied-embedding copy: reduced in finish_grad_sync, not in backward
     grad_work: object = None
     grad_shard_out: torch.Tensor | None = None
     param_work: object = None
@@ -118,6 +122,21 @@ def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.
     return infos
 
 
+def _tied_embedding_params(module: nn.Module, parallel_state: ParallelState) -> set[nn.Parameter]:
+    """The two copies of a tied embedding split over pipeline stages: the last stage's output weight
+    (tagged ``shared_embedding`` by the model) and the first stage's embedding weight of a model chunk
+    that ties its embeddings but holds no output head."""
+    if parallel_state.pp_size == 1:
+        return set()
+    params = {p for p in module.parameters() if getattr(p, "shared_embedding", False)}
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if getattr(config, "tie_embeddings", False) and getattr(m, "pre_process", False) \
+                and not getattr(m, "post_process", False):
+            params.add(m.embedding.weight)
+    return params
+
+
 def _start_async(kind: str, handle: GroupHandle, nbytes: int, fn, *args, **kwargs):
     """Issue a counted asynchronous collective (the counting convention of megafp8.parallel.collectives)."""
     handle.counters.add(kind, nbytes)
@@ -132,16 +151,22 @@ class DistributedDataParallel(nn.Module):
     ``start_param_sync()`` under the distributed optimizer).
     """
 
-    def __init__(self, module: nn.Module, parallel_state: ParallelState, config: DDPConfig | None = None) -> None:
+    def __init__(self, module: nn.Module | Sequence[nn.Module], parallel_state: ParallelState,
+                 config: DDPConfig | None = None) -> None:
         super().__init__()
-        self.module = module
+        # A list of modules: the model chunks of one pipeline rank (virtual stages share one buffer); each
+        # chunk names its parameters itself (layout-free names, as checkpoints expect).
+        chunks = [module] if isinstance(module, nn.Module) else list(module)
+        self.module = module if isinstance(module, nn.Module) else nn.ModuleList(chunks)
         self.config = config or DDPConfig()
         self.parallel_state = parallel_state
         self.dp: GroupHandle = parallel_state.dp_group
         self.tp: GroupHandle = parallel_state.tp_group
         self.distributed = self.config.use_distributed_optimizer
-        self.param_names = {p: n for n, p in module.named_parameters()}
+        module = self.module
+        self.param_names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
         self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
+        self.tied_embedding_params = _tied_embedding_params(module, parallel_state)
         grad_dtype = torch.bfloat16 if self.config.grad_reduce_in_bf16 else torch.float32
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[Bucket] = []
@@ -186,7 +211,8 @@ class DistributedDataParallel(nn.Module):
         for group, offset, numel, ranges in layouts:
             param_data = torch.zeros(numel, dtype=group[0].dtype, device=grad_buffer.device)
             bucket = Bucket(len(self.buckets), group, offset, numel, ranges, grad_buffer[offset:offset + numel],
-                            param_data, fp8=group[0] in self.fp8_params)
+                            param_data, fp8=group[0] in self.fp8_params,
+                            deferred=any(p in self.tied_embedding_params for p in group))
             for p, (start, end) in ranges.items():
                 param_data[start:end].copy_(p.detach().reshape(-1))
                 p.data = param_data[start:end].view(p.shape)
@@ -205,7 +231,7 @@ class DistributedDataParallel(nn.Module):
             if self.config.overlap_grad_reduce and self._sync_enabled:
                 bucket = self.bucket_of[param]
                 bucket.ready.add(param)
-                if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None:
+                if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None and not bucket.deferred:
                     self._start_grad_reduce(bucket)
         return hook
 
@@ -236,10 +262,8 @@ class DistributedDataParallel(nn.Module):
             for g, reduced in zip(sp, flat.split([g.numel() for g in sp])):
                 g.copy_(reduced.view_as(g))
         for p in bucket.params:
-            if getattr(p, "shared_embedding", False):
-                embedding = self.parallel_state.embedding_group
-                if embedding.size > 1:
-                    C.all_reduce(p.main_grad, embedding, "embedding_allreduce")
+            if p in self.tied_embedding_params:
+                C.all_reduce(p.main_grad, self.parallel_state.embedding_group, "embedding_allreduce")
 
     def _start_grad_reduce(self, bucket: Bucket) -> None:
         self._replicated_reductions(bucket)
