@@ -27,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe
@@ -135,12 +134,6 @@ def _tied_embedding_params(module: nn.Module, parallel_state: ParallelState) -> 
                 and not getattr(m, "post_process", False):
             params.add(m.embedding.weight)
     return params
-
-
-def _start_async(kind: str, handle: GroupHandle, nbytes: int, fn, *args, **kwargs):
-    """Issue a counted asynchronous collective (the counting convention of megafp8.parallel.collectives)."""
-    handle.counters.add(kind, nbytes)
-    return fn(*args, group=handle.group, async_op=True, **kwargs)
 
 
 class DistributedDataParallel(nn.Module):
@@ -271,16 +264,13 @@ class DistributedDataParallel(nn.Module):
             bucket.grad_work = True
             return
         bucket.grad_data.div_(self.dp.size)  # average over DP (sum of per-replica mean losses / DP)
-        nbytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
         if self.distributed:
             size = bucket.numel // self.dp.size
             bucket.grad_shard_out = torch.empty(size, dtype=bucket.grad_data.dtype, device=bucket.grad_data.device)
-            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            bucket.grad_work = _start_async("dp_grad_reduce", self.dp, nbytes // self.dp.size * (self.dp.size - 1),
-                                            reduce_scatter, bucket.grad_shard_out, bucket.grad_data)
+            bucket.grad_work = C.reduce_scatter_tensor_async(bucket.grad_shard_out, bucket.grad_data, self.dp,
+                                                             "dp_grad_reduce")
         else:
-            bucket.grad_work = _start_async("dp_grad_reduce", self.dp, 2 * nbytes * (self.dp.size - 1) // self.dp.size,
-                                            dist.all_reduce, bucket.grad_data)
+            bucket.grad_work = C.all_reduce_async(bucket.grad_data, self.dp, "dp_grad_reduce")
 
     def finish_grad_sync(self) -> None:
         """Start the reductions backward did not start, wait for all: afterwards each rank's owned
@@ -331,9 +321,7 @@ class DistributedDataParallel(nn.Module):
             return
         start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
         shard = data[start:end].clone()  # the gather's output holds the input: do not alias them
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        bucket.param_work = _start_async("dp_param_allgather", self.dp, shard.numel() * shard.element_size()
-                                         * (self.dp.size - 1), all_gather, data, shard)
+        bucket.param_work = C.all_gather_into_tensor_async(data, shard, self.dp, "dp_param_allgather")
 
     def _finish_param_gather(self, bucket: Bucket) -> None:
         if not bucket.param_sync_pending:
