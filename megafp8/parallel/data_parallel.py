@@ -223,6 +223,10 @@ class DistributedDataParallel(nn.Module):
                 param.grad = None
             if self.config.overlap_grad_reduce and self._sync_enabled:
                 bucket = self.bucket_of[param]
+                if bucket.grad_work is not None:
+                    raise RuntimeError(
+                        f"--overlap-grad-reduce: a gradient of {self.param_names[param]} arrived after its bucket's "
+                        "DP reduction started; run every micro-batch but the last inside ddp.no_sync()")
                 bucket.ready.add(param)
                 if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None and not bucket.deferred:
                     self._start_grad_reduce(bucket)
