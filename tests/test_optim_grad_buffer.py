@@ -1,5 +1,7 @@
 """The grad buffer's layout (views, 128-aligned parameters, DP x 128-padded buckets in backward order), the
 bf16 buffer (--grad-reduce-in-bf16) against the fp32 AdamW reference, and the user errors it raises."""
+import contextlib
+
 import pytest
 import torch
 
@@ -55,6 +57,24 @@ def test_overlap_without_no_sync_is_an_error():
     ddp(ids, ids).mean().backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         ddp(ids, ids).mean().backward()
+
+
+def test_num_microbatches_delays_the_overlapped_reduction():
+    """A schedule that runs every micro-batch's backward itself sets num_microbatches instead of no_sync():
+    the buckets reduce after the last one, and the grads equal the no_sync() loop's bit for bit."""
+    cfg = tiny_config()
+    ps = ParallelState().init_process_groups()
+    grads = []
+    for use_no_sync in (True, False):
+        ddp = make_ddp(build(cfg, ps), ps, overlap_grad_reduce=True, bucket_size=2000)
+        opt = DistributedOptimizer(ddp)
+        opt.step = lambda lr, ddp=ddp: ddp.finish_grad_sync()
+        if not use_no_sync:
+            ddp.num_microbatches = 2
+            ddp.no_sync = contextlib.nullcontext
+        train_step(ddp, opt, cfg, 0, 1e-3)
+        grads.append(ddp.grad_buffers[0].clone())
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_flag_errors_name_the_flag():

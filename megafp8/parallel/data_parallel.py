@@ -92,7 +92,7 @@ class Bucket:
     param_data: torch.Tensor | None  # high-precision values (None for a released FP8 bucket)
     fp8: bool = False                # weights of FP8 layers, gathered as FP8 bytes
     fp8_data: torch.Tensor | None = None  # uint8, the gathered FP8 bytes (FP8 buckets)
-    ready: set = field(default_factory=set)
+    ready: dict = field(default_factory=dict)  # param -> backward passes seen this iteration
     deferred: bool = False  # holds a tied-embedding copy: reduced in finish_grad_sync, not in backward
     grad_work: object = None
     grad_shard_out: torch.Tensor | None = None
@@ -139,9 +139,9 @@ def _tied_embedding_params(module: nn.Module, parallel_state: ParallelState) -> 
 class DistributedDataParallel(nn.Module):
     """Wraps a model: forward passes through; owns the grad buffer, buckets and their DP reductions.
 
-    Per iteration: ``zero_grad_buffer()``, forward/backward of every micro-batch (all but the last
-    inside ``no_sync()`` when overlapping), ``finish_grad_sync()``, the optimizer step (which calls
-    ``start_param_sync()`` under the distributed optimizer).
+    Per iteration: ``zero_grad_buffer()``, forward/backward of every micro-batch (with overlap: all but
+    the last inside ``no_sync()``, or set ``num_microbatches``), ``finish_grad_sync()``, the optimizer
+    step (which calls ``start_param_sync()`` under the distributed optimizer).
     """
 
     def __init__(self, module: nn.Module | Sequence[nn.Module], parallel_state: ParallelState,
@@ -168,6 +168,10 @@ class DistributedDataParallel(nn.Module):
             self._build_buffer([p for p in params if p.dtype == dtype], grad_dtype)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync_enabled = True
+        # Backward passes per iteration (micro-batches): a bucket is complete once every parameter's grad
+        # hook fired this often. A pipeline schedule that runs all micro-batches itself sets it; a loop that
+        # wraps all but the last micro-batch in no_sync() leaves it at 1.
+        self.num_microbatches = 1
         for p in params:
             p.register_post_accumulate_grad_hook(self._make_grad_hook())
         self._hook_handles = []
@@ -226,9 +230,11 @@ class DistributedDataParallel(nn.Module):
                 if bucket.grad_work is not None:
                     raise RuntimeError(
                         f"--overlap-grad-reduce: a gradient of {self.param_names[param]} arrived after its bucket's "
-                        "DP reduction started; run every micro-batch but the last inside ddp.no_sync()")
-                bucket.ready.add(param)
-                if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None and not bucket.deferred:
+                        "DP reduction started; run every micro-batch but the last inside ddp.no_sync(), or set "
+                        "ddp.num_microbatches to the number of backward passes per iteration")
+                bucket.ready[param] = bucket.ready.get(param, 0) + 1
+                if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None and not bucket.deferred \
+                        and min(bucket.ready.values()) >= self.num_microbatches:
                     self._start_grad_reduce(bucket)
         return hook
 
