@@ -6,7 +6,7 @@ usage: bash tools/bench/gpu_check.sh [--help]
 
 Runs, in one go, on a machine with a CUDA GPU (budget: under 6 minutes on one H200):
   1. the kernel and FP8 linear tests compiled on CUDA, `gpu`-marked ones included
-     (MEGAFP8_GEMM_AUTOTUNE=0: one fixed config per specialization; pytest-xdist if installed);
+     (MEGAFP8_GEMM_AUTOTUNE=0: one fixed config per specialization; pytest-xdist -n 12 if installed);
   2. tools/bench/kernel_resources.py: n_regs / n_spills / shared memory of every GEMM launch config
      and the quantize kernels, each GEMM checked against the reference twin;
   3. tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16) and quantize GB/s.
@@ -48,7 +48,7 @@ unset TRITON_INTERPRET
 # 1. Tests. They compile a few hundred GEMM specializations (dtype pairs x modes x epilogues): spread
 #    the compiles over the CPU cores with xdist when it is there.
 xdist=()
-python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
+python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)  # 12 of the 16 cores: one GEMM test case per worker
 MEGAFP8_GEMM_AUTOTUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" \
   tests/test_kernels_quantize.py tests/test_kernels_gemm.py tests/test_fp8_linear.py 2>&1 | tee "$out/pytest.txt"
 tests_rc=$?
