@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch.distributed as dist
+
 from megafp8.data.builder import parse_data_path
 from megafp8.parallel.parallel_state import LayoutError, initialize_distributed
 from megafp8.training.arguments import ArgumentError, parse_args
@@ -42,9 +44,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from megafp8.training.run import run  # heavy imports only once the flags are known to be good
 
-    if "WORLD_SIZE" in os.environ:  # under torchrun; a plain `python -m` run is one process, no group needed
-        initialize_distributed(timeout_minutes=args.distributed_timeout_minutes)
-    return run(args, parallel_state, config)
+    if "WORLD_SIZE" not in os.environ:  # a plain `python -m` run is one process: no process group needed
+        return run(args, parallel_state, config)
+    initialize_distributed(timeout_minutes=args.distributed_timeout_minutes)
+    try:
+        return run(args, parallel_state, config)
+    finally:
+        # Tear the groups down together: a rank that exits with gloo threads alive aborts (SIGABRT).
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from megafp8.checkpoint.manifest import check_file, digest_file, read_manifest, 
 from megafp8.checkpoint.model_state import model_checkpoint_state, zero_vocab_padding_
 from megafp8.checkpoint.rng import capture_rng_state, restore_rng_state
 from megafp8.checkpoint.sharded_tensor import ShardedLoadPlanner, ShardedSavePlanner
+from megafp8.fp8 import ScalingState
 from megafp8.parallel.parallel_state import ParallelState
 
 Models = nn.Module | Sequence[nn.Module]
@@ -244,6 +245,10 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
 
     def restore() -> LoadedCheckpoint:
         zero_vocab_padding_(model, parallel_state)
+        for chunk in ([model] if isinstance(model, nn.Module) else model):
+            for module in chunk.modules():
+                if isinstance(module, ScalingState):  # DCP wrote the histories in place, bypassing load_state_dict
+                    module.history_loaded()
         if load_rng:
             restore_rng_state(_from_bytes(state["rng"][_rank_key(rank)]), rng_tracker)
         if "fp8_guard" in state:

@@ -138,7 +138,12 @@ class ScalingState(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         _bump_layout_version()  # assign=True replaces the tensors
-        self._warm = bool(self.amax_history.any())  # one host sync per state, at load time only
+        self.history_loaded()
+
+    def history_loaded(self) -> None:
+        """The history was written from outside (a state dict, or a checkpoint loaded in place): the state
+        is warm iff it holds an amax. One host sync per state, at load time only."""
+        self._warm = bool(self.amax_history.any())
         self._observed_at = None
 
     def extra_repr(self) -> str:

@@ -86,6 +86,20 @@ class _StageModule(nn.Module):
         return self.chunk(x) if self.chunk.pre_process else self.chunk(None, hidden_states=x)
 
 
+class ModelChunks(nn.ModuleList):
+    """This rank's chunks as one module whose parameter names are the chunks' own global names (not
+    ``0.layers.3...``), so a grad buffer, an optimizer or a checkpoint built on it is layout-independent.
+    A Parameter shared by two chunks (a V schedule's tied embedding) is named once."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen: set[int] = set()
+        for chunk in self:
+            for name, param in chunk.named_parameters(prefix, recurse, remove_duplicate):
+                if id(param) not in seen or not remove_duplicate:
+                    seen.add(id(param))
+                    yield name, param
+
+
 class Pipeline:
     """This rank's model chunks and the step that runs one global batch (this DP rank's share) through them.
 
@@ -123,7 +137,7 @@ class Pipeline:
         if config.tie_embeddings and self.holds_first_stage and self.holds_last_stage and len(self.chunks) > 1:
             # V schedules: both ends on this rank, so the head can use the embedding Parameter itself.
             self.chunks[-1].output_layer.weight = self.chunks[0].embedding.weight
-        self.modules = nn.ModuleList(self.chunks)
+        self.modules = ModelChunks(self.chunks)
         self.fp8_manager: Fp8ScalingManager | None = (
             fp8_scaling_manager(self.modules, ps) if fp8_recipe is not None and fp8_recipe.is_delayed else None)
         self._step_tokens = torch.ones(())
@@ -260,12 +274,7 @@ class Pipeline:
     # ---- parameters and state -------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Global (layout-independent) names; a Parameter shared by two chunks appears once."""
-        seen: set[int] = set()
-        for chunk in self.chunks:
-            for name, param in chunk.named_parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param
+        return self.modules.named_parameters()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return (param for _, param in self.named_parameters())

@@ -3,16 +3,19 @@ data-parallel grad buffer, the ZeRO optimizer, a checkpoint to resume from, then
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
+from megafp8.checkpoint import CheckpointError
 from megafp8.fp8 import Fp8Recipe
 from megafp8.model import ModelConfig
 from megafp8.optim import DistributedOptimizer
 from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline import build_pipeline
-from megafp8.training.train import Trainer
+from megafp8.training.checkpointing import Checkpointer
+from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 
 
 def build_training_state(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig):
@@ -36,7 +39,19 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
     parallel_state.init_process_groups()
     torch.manual_seed(args.seed)  # data-independent randomness; parameters come from (seed, name) generators
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
-    trainer = Trainer(args, parallel_state, pipeline, ddp, optimizer)
+    guard = saturation_guard(parallel_state) if Fp8Recipe.from_args(args) else None
+    checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
+    progress = None
+    if args.load:
+        try:
+            saved = checkpointer.load()
+        except CheckpointError as e:
+            if parallel_state.rank == 0:
+                print(f"megafp8-pretrain: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        progress = TrainProgress(**saved) if saved else None
+    trainer = Trainer(args, parallel_state, pipeline, ddp, optimizer, guard, progress,
+                      checkpointer if args.save else None)
     progress = trainer.train()
     if trainer.is_logging_rank:
         print(f"megafp8: trained {progress.iteration} iterations ({progress.consumed_samples} samples, "

@@ -82,17 +82,23 @@ def _mean_over(value: torch.Tensor, group) -> float:
     return value.item()
 
 
+def saturation_guard(parallel_state: ParallelState) -> SaturationGuard:
+    """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x DP ranks."""
+    def all_reduce_max(tensor: torch.Tensor) -> None:
+        C.all_reduce(tensor, parallel_state.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
+    return SaturationGuard(all_reduce_max=all_reduce_max)
+
+
 class Trainer:
     """One rank's training run over this rank's pipeline chunks (`megafp8.parallel.pipeline.Pipeline`, PP=1
     included), their data-parallel grad buffer (`DistributedDataParallel`) and the ZeRO optimizer."""
 
     def __init__(self, args: argparse.Namespace, parallel_state: ParallelState, pipeline, ddp, optimizer,
-                 progress: TrainProgress | None = None, checkpointer=None) -> None:
+                 guard: SaturationGuard | None = None, progress: TrainProgress | None = None,
+                 checkpointer=None) -> None:
         self.args, self.ps, self.pipeline, self.ddp, self.optimizer = args, parallel_state, pipeline, ddp, optimizer
-        self.progress = progress or TrainProgress()
-        self.checkpointer = checkpointer
+        self.guard, self.progress, self.checkpointer = guard, progress or TrainProgress(), checkpointer
         self.recipe = Fp8Recipe.from_args(args)
-        self.guard = SaturationGuard(all_reduce_max=self._amax_group_max) if self.recipe else None
         self.schedule = learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
         # The last pipeline stage computes the loss; its first TP/DP rank speaks for the run.
@@ -107,9 +113,6 @@ class Trainer:
                                          num_query_groups=args.num_query_groups, seq_length=args.seq_length,
                                          padded_vocab_size=pipeline.chunks[0].padded_vocab_size)
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-
-    def _amax_group_max(self, tensor: torch.Tensor) -> None:
-        C.all_reduce(tensor, self.ps.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
 
     # ---- one iteration ----------------------------------------------------------------------
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:

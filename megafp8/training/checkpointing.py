@@ -1,0 +1,61 @@
+"""The training loop's side of checkpoints (--save, --load, --save-interval, --keep-last, --finetune,
+--no-load-optim, --no-load-rng): what a run puts into megafp8.checkpoint and takes back out.
+
+A checkpoint holds everything a bit-exact resume needs: the model chunks (with FP8 amax histories and
+scales), the ZeRO optimizer's shards (master weights, moments, codec scales), the saturation guard's
+switches, every RNG state, the data position (consumed samples) and the progress counters, and the
+flags. Saved at one TP/PP/DP layout it loads at any other (see docs/checkpoints.md).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from megafp8.checkpoint import (distributed_optimizer_state, distributed_optimizer_template, load_checkpoint,
+                                save_checkpoint)
+from megafp8.parallel.parallel_state import ParallelState
+
+
+class Checkpointer:
+    """Saves and loads one rank's training state; every rank calls save/load together."""
+
+    def __init__(self, args: argparse.Namespace, parallel_state: ParallelState, pipeline, optimizer, guard=None):
+        self.args, self.ps, self.pipeline, self.optimizer, self.guard = args, parallel_state, pipeline, optimizer, guard
+
+    @property
+    def chunks(self):
+        return self.pipeline.chunks
+
+    def save(self, trainer) -> None:
+        """Write iteration `trainer.progress.iteration` to --save (atomic; --keep-last prunes older ones)."""
+        progress = trainer.progress
+        path = save_checkpoint(
+            self.args.save, progress.iteration, model=self.chunks, parallel_state=self.ps,
+            optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
+            extra={"progress": asdict(progress)}, args=self.args, consumed_samples=progress.consumed_samples,
+            rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, keep_last=self.args.keep_last)
+        if trainer.is_logging_rank:
+            print(f" saved checkpoint at iteration {progress.iteration} to {path}", flush=True)
+
+    def load(self) -> dict | None:
+        """Restore from --load; returns the saved progress counters (None: nothing to resume from).
+        --finetune keeps only the weights (iteration 0, fresh optimizer and data position)."""
+        args = self.args
+        template, apply = distributed_optimizer_template(self.optimizer, self.chunks, self.ps)
+        loaded = load_checkpoint(args.load, model=self.chunks, parallel_state=self.ps, optimizer_state=template,
+                                 rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, args=args,
+                                 finetune=args.finetune, no_load_optim=args.no_load_optim or args.finetune,
+                                 no_load_rng=args.no_load_rng or args.finetune)
+        if loaded is None:
+            return None
+        if loaded.optimizer_loaded:
+            apply()
+        else:
+            self.optimizer.reload_model_params()  # the loaded weights become the master weights
+        if self.ps.rank == 0:
+            for message in loaded.messages:
+                print(f" checkpoint: {message}", flush=True)
+            print(f" loaded checkpoint {loaded.path} (iteration {loaded.iteration})", flush=True)
+        if args.finetune:
+            return None
+        return loaded.extra.get("progress")
