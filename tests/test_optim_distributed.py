@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from distributed_testing import run_distributed
-from optim_testing import (build, make_ddp, max_rel_diff, reference_adamw, reference_step, tiny_config,
-                           train_step)
+from optim_testing import (build, global_batch, make_ddp, max_rel_diff, reference_adamw, reference_step,
+                           tiny_config, train_step)
 from megafp8.optim import DistributedOptimizer
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.pipeline import build_pipeline
 from megafp8.parallel.sharding import gather_tensor_model_parallel, shard_state_dict
 
 LR, WD, CLIP, STEPS = 1e-3, 0.1, 0.5, 10
@@ -173,3 +174,41 @@ def _tensor_parallel_body(rank, world_size):
 @pytest.mark.distributed
 def test_tensor_and_sequence_parallel_replicated_params():
     run_distributed(_tensor_parallel_body, world_size=4, timeout_s=600)
+
+
+def _pipeline_body(rank, world_size):
+    """PP=2 x DP=2, tied embeddings split over the stages, torch's 1F1B schedule running every micro-batch's
+    backward (num_microbatches instead of no_sync): the tied copies are summed over the embedding group once
+    (after backward, no deadlock), the norm counts them once, and the run equals AdamW at PP=1."""
+    cfg = tiny_config(tie_embeddings=True, num_layers=2)
+    micro, dp = 4, 2
+    reference = build_pipeline(cfg, ParallelState().init_process_groups(), micro_batch_size=1,
+                               num_microbatches=micro * dp, split_weight_grads=False)
+    ref_opt = reference_adamw(reference.modules, LR, WD)
+    ps = ParallelState(world_size=world_size, pipeline_model_parallel_size=2,
+                       pipeline_schedule="1f1b").init_process_groups()
+    pipe = build_pipeline(cfg, ps, micro_batch_size=1, num_microbatches=micro, split_weight_grads=False,
+                          reduce_replicated_grads=False)
+    ddp = make_ddp(pipe.modules, ps, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=1000)
+    ddp.num_microbatches = micro
+    opt = DistributedOptimizer(ddp, weight_decay=WD, clip_grad=CLIP)
+    for step in range(4):
+        ids, labels = global_batch(cfg, step, micro * dp)
+        reference.zero_grad()
+        reference.step(ids, labels)
+        torch.nn.utils.clip_grad_norm_(list(reference.parameters()), CLIP)
+        ref_opt.step()
+        opt.zero_grad()
+        mine = slice(ps.dp_group.rank * micro, (ps.dp_group.rank + 1) * micro)
+        pipe.step(ids[mine], labels[mine])
+        assert not opt.step(LR).skipped
+    ddp.finish_param_sync()
+    ref = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        expected = ref["embedding.weight" if getattr(param, "shared_embedding", False) else name].detach()
+        assert max_rel_diff(param.detach(), expected) <= 1e-5, (name, max_rel_diff(param.detach(), expected))
+
+
+@pytest.mark.distributed
+def test_pipeline_tied_embedding():
+    run_distributed(_pipeline_body, world_size=4, timeout_s=600)
