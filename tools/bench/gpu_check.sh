@@ -49,7 +49,7 @@ unset TRITON_INTERPRET
 #    the compiles over the CPU cores with xdist when it is there.
 xdist=()
 python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)  # 12 of the 16 cores: one GEMM test case per worker
-MEGAFP8_GEMM_AUTOTUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" \
+MEGAFP8_GEMM_AUTOTUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
   tests/test_kernels_quantize.py tests/test_kernels_gemm.py tests/test_fp8_linear.py 2>&1 | tee "$out/pytest.txt"
 tests_rc=$?
 
