@@ -128,3 +128,29 @@ def test_fp8_states_fp16_master_track_fp32_and_torchao():
     # binades; documented tolerance: final within 1%, trajectory within 10%.
     assert peer_dev[-1] <= 0.01 and peer_dev.max() <= 0.10
     assert (ours - peer).abs().max() / peer[-1] <= 0.10
+
+
+def test_fp16_master_rescales_when_weights_grow():
+    """One step at lr=1 grows the weights 16-50x: each tensor's power-of-two scale must follow (an fp16 code at
+    the old scale would overflow to inf) by an exact rescale. Both runs start from fp16-representable weights,
+    so their first update is the same and the fp16 master equals the fp32 one up to fp16 rounding."""
+    cfg = tiny_config()
+    runs = {}
+    for master in ("fp32", "fp16"):
+        ps = ParallelState().init_process_groups()
+        model = build(cfg, ps)
+        for p in model.parameters():
+            p.data = p.data.half().float()
+        ddp = make_ddp(model, ps)
+        opt = DistributedOptimizer(ddp, master_weight_dtype=master)
+        initial_scale = opt.master_scale.clone()
+        ids, labels = _noisy_bigram_batch(cfg, 0)
+        ddp(ids, labels).mean().backward()
+        assert not opt.step(1.0).skipped
+        runs[master] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        if master == "fp16":
+            assert (opt.master_scale <= initial_scale / 16).any()  # moved down by 2^4 and more
+    for name, value in runs["fp16"].items():
+        ref = runs["fp32"][name]
+        assert torch.isfinite(value).all()
+        assert float((value - ref).abs().max() / ref.abs().max()) <= 2.0 ** -10, name

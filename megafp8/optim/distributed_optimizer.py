@@ -139,29 +139,49 @@ class DistributedOptimizer:
         C.all_reduce(amax, self.dp, "amax_reduce", op=dist.ReduceOp.MAX)
         return dict(zip(params, amax))
 
-    def _init_master(self) -> None:
+    def _init_master(self, given: dict[str, torch.Tensor] | None = None) -> None:
         values = {}
         for frag in self.fragments:
-            values[frag] = frag.bucket.param_data[frag.bucket_lo:frag.bucket_lo + frag.numel].float()
+            if given is not None and frag.name in given:
+                values[frag] = given[frag.name].float()
+            else:
+                values[frag] = frag.bucket.param_data[frag.bucket_lo:frag.bucket_lo + frag.numel].float()
         if self.master_weight_dtype == "fp16":
             amax = self._agreed_param_amax({f.param: v.abs().amax() for f, v in values.items()})
-            for frag in self.fragments:
-                self.master_scale[frag.index] = _pow2_scale(amax[frag.param])
+            if self.fragments:
+                self.master_scale.copy_(_pow2_scale(torch.stack([amax[f.param] for f in self.fragments])))
         for frag, v in values.items():
             self._encode_master(frag, frag.storage_lo, frag.numel, v)
 
+    @torch.no_grad()
+    def owned_master_weights(self) -> dict[str, tuple[nn.Parameter, int, torch.Tensor]]:
+        """``{name: (param, start, fp32 values)}``: the range ``[start, start + n)`` of each parameter's
+        flat (TP-local) values this rank owns, decoded from the master weights. What a checkpoint saves
+        for FP8 layers whose high-precision storage was released (--fp8-param-gather)."""
+        return {f.name: (f.param, f.param_lo, self._decode_master(f, f.storage_lo, f.numel).clone())
+                for f in self.fragments}
+
+    @torch.no_grad()
+    def reload_master_weights(self, owned: dict[str, torch.Tensor] | None = None) -> None:
+        """Restart the master weights from the model's parameters (after loading weights without optimizer
+        state: --finetune, --no-load-optim), taking ``owned[name]`` (this rank's range, as from
+        ``owned_master_weights``) for parameters without high-precision storage; then publish them."""
+        self._init_master(owned)
+        self._publish()
+
     def _rescale_fp16_master(self, local_amax: dict[nn.Parameter, torch.Tensor]) -> None:
-        amax = self._agreed_param_amax(local_amax)
-        for frag in self.fragments:
-            a, scale = amax[frag.param], self.master_scale[frag.index]
-            level = torch.log2(a * scale) if a > 0 else None
-            if level is None or FP16_SCALE_LOW <= level <= FP16_SCALE_HIGH:
-                continue
-            new_scale = _pow2_scale(a)
-            s = frag.storage_lo
+        if not self.fragments:
+            return
+        agreed = self._agreed_param_amax(local_amax)
+        amax = torch.stack([agreed[frag.param] for frag in self.fragments])
+        level = torch.log2(amax * self.master_scale)
+        moved = (amax > 0) & ((level < FP16_SCALE_LOW) | (level > FP16_SCALE_HIGH))
+        new_scales = _pow2_scale(amax)
+        for i in moved.nonzero().flatten().tolist():  # one host sync per step, rescales are rare
+            frag, s = self.fragments[i], self.fragments[i].storage_lo
             codes = self.master.decode(s, s + frag.numel)
-            self.master.encode(s, s + frag.numel, codes * (new_scale / scale))  # power of two: exact
-            self.master_scale[frag.index] = new_scale
+            self.master.encode(s, s + frag.numel, codes * (new_scales[i] / self.master_scale[i]))  # power of two: exact
+            self.master_scale[i] = new_scales[i]
 
     # ---- the step -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -348,9 +368,9 @@ def _slice_storage(t: torch.Tensor, numel: int, start: int, n: int, per_group: b
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    if amax <= 0 or not torch.isfinite(amax):
-        return torch.ones((), device=amax.device)
-    return torch.exp2(FP16_SCALE_TARGET - torch.floor(torch.log2(amax)))
+    """Power-of-two scales putting each amax in [2^10, 2^11); 1 where the amax is 0 or not finite."""
+    scale = torch.exp2(FP16_SCALE_TARGET - torch.floor(torch.log2(amax)))
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
 
 
 def _world_handle(ps) -> GroupHandle:
