@@ -11,7 +11,7 @@ writes it once. The last pipeline stage's copy of a tied embedding (``shared_emb
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,12 +34,15 @@ def checkpoint_key(name: str, param: torch.Tensor | None) -> str:
 
 
 def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_state: ParallelState, *,
-                           params_only: bool = False) -> dict[str, torch.Tensor | ShardedChunks]:
+                           params_only: bool = False,
+                           overrides: Mapping[str, ShardedChunks] | None = None) -> dict[str, torch.Tensor | ShardedChunks]:
     """``{name: tensor or ShardedChunks}`` for every model chunk this rank holds; the values are views of
     the live parameters and buffers, so DCP saves from them and loads into them in place.
 
     ``params_only``: parameters without buffers (``--finetune`` starts FP8 scaling state afresh, and a
-    converted Hugging Face checkpoint has none)."""
+    converted Hugging Face checkpoint has none). ``overrides``: the chunks to save/load for parameters
+    (by their own name) whose values do not live in the parameter, e.g. FP8 layers' weights under
+    --fp8-param-gather, which the ZeRO owners hold as master weights."""
     chunks = [models] if isinstance(models, nn.Module) else list(models)
     tp_rank, tp_size = parallel_state.coords.tp, parallel_state.tp_size
     state: dict[str, torch.Tensor | ShardedChunks] = {}
@@ -58,6 +61,9 @@ def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_sta
                 raise ValueError(f"model state: two model chunks both hold {key!r}")
             owners[key] = tensor
             local = tensor.detach()
+            if overrides is not None and name in overrides:
+                state[key] = overrides[name]
+                continue
             if param is not None:
                 local = tensor_parallel_state(local, param, tp_rank, tp_size, vocab_size)
             state[key] = local

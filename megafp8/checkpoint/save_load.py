@@ -31,7 +31,7 @@ from megafp8.checkpoint.errors import CheckpointError
 from megafp8.checkpoint.manifest import check_file, digest_file, read_manifest, write_manifest
 from megafp8.checkpoint.model_state import model_checkpoint_state, zero_vocab_padding_
 from megafp8.checkpoint.rng import capture_rng_state, restore_rng_state
-from megafp8.checkpoint.sharded_tensor import ShardedLoadPlanner, ShardedSavePlanner
+from megafp8.checkpoint.sharded_tensor import ShardedChunks, ShardedLoadPlanner, ShardedSavePlanner
 from megafp8.fp8 import ScalingState
 from megafp8.parallel.parallel_state import ParallelState
 
@@ -100,12 +100,13 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
                     optimizer_state: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                     args: argparse.Namespace | Mapping[str, Any] | None = None, consumed_samples: int = 0,
                     rng_tracker: Any | None = None, saturation_guard: Any | None = None,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, model_overrides: Mapping[str, ShardedChunks] | None = None) -> Path:
     """Write ``<save_dir>/iter_{iteration:07d}`` atomically and point the tracker at it. Call on every rank.
 
     ``optimizer_state``: nested dict; ``ShardedChunks`` leaves are sharded (global offsets), plain tensors
     and python values replicated (saved once). ``extra``: replicated python state (identical on every
-    rank). ``keep_last``: afterwards delete all but the newest N committed checkpoints.
+    rank). ``keep_last``: afterwards delete all but the newest N committed checkpoints. ``model_overrides``:
+    see ``model_checkpoint_state`` (parameters whose values live elsewhere, e.g. ZeRO master weights).
     Returns the committed directory. Raises CheckpointError (on every rank) if any rank fails."""
     if iteration < 0:
         raise CheckpointError(f"save_checkpoint: iteration must be >= 0, got {iteration}")
@@ -119,7 +120,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
             root.mkdir(parents=True, exist_ok=True)
             atomic.remove_stale_temporaries(root)
             tmp.mkdir()
-        state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state),
+        state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state, overrides=model_overrides),
                                  "rng": {_rank_key(rank): _to_bytes(capture_rng_state(rng_tracker))},
                                  "extra": _to_bytes(dict(extra or {}))}
         if optimizer_state is not None:
@@ -169,7 +170,8 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
                     saturation_guard: Any | None = None, args: argparse.Namespace | Mapping[str, Any] | None = None,
                     iteration: int | None = None, finetune: bool = False, no_load_optim: bool = False,
                     no_load_rng: bool = False, allow_changed_args: Collection[str] = (),
-                    verify: bool = True) -> LoadedCheckpoint | None:
+                    verify: bool = True,
+                    model_overrides: Mapping[str, ShardedChunks] | None = None) -> LoadedCheckpoint | None:
     """Load the checkpoint the tracker names (or ``iteration``) into the live model / optimizer state, at
     this run's layout (TP/PP/DP may differ from the saved one). Call on every rank.
 
@@ -211,7 +213,7 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
         if load_optim and "optimizer" not in contents:
             raise CheckpointError(f"{path} has no optimizer state; start from its weights with --finetune, "
                                   "or skip the optimizer with --no-load-optim")
-        model_state = model_checkpoint_state(model, parallel_state, params_only=finetune)
+        model_state = model_checkpoint_state(model, parallel_state, params_only=finetune, overrides=model_overrides)
         try:
             saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
         except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing

@@ -142,7 +142,9 @@ class ScalingState(nn.Module):
 
     def history_loaded(self) -> None:
         """The history was written from outside (a state dict, or a checkpoint loaded in place): the state
-        is warm iff it holds an amax. One host sync per state, at load time only."""
+        is warm iff it holds an amax, and amaxes observed before the load (e.g. of the freshly initialized
+        weights) belong to another history. One host sync per state, at load time only."""
+        self.pending_amax.zero_()
         self._warm = bool(self.amax_history.any())
         self._observed_at = None
 

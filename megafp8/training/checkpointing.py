@@ -9,10 +9,12 @@ flags. Saved at one TP/PP/DP layout it loads at any other (see docs/checkpoints.
 from __future__ import annotations
 
 import argparse
+
+import torch
 from dataclasses import asdict
 
 from megafp8.checkpoint import (distributed_optimizer_state, distributed_optimizer_template, load_checkpoint,
-                                save_checkpoint)
+                                param_flat_range_state, save_checkpoint)
 from megafp8.parallel.parallel_state import ParallelState
 
 
@@ -26,6 +28,20 @@ class Checkpointer:
     def chunks(self):
         return self.pipeline.chunks
 
+    def _released_weights(self) -> dict[str, tuple]:
+        """FP8 layers' weights without high-precision storage (--fp8-param-gather): this rank's owned range
+        of each, from the optimizer's master weights, as ``{name: (param, start, fp32 values)}``."""
+        ddp = self.optimizer.ddp
+        owned = self.optimizer.owned_master_weights()
+        empty = torch.empty(0, device=ddp.grad_buffers[0].device)
+        return {ddp.param_names[p]: owned.get(ddp.param_names[p], (p, 0, empty))  # a rank may own none of it
+                for bucket in ddp.buckets if bucket.param_data is None for p in bucket.params}
+
+    def _overrides(self, released: dict[str, tuple]) -> dict:
+        vocab_size = self.chunks[0].config.vocab_size
+        return {name: param_flat_range_state(values, start, param, self.ps.coords.tp, self.ps.tp_size, vocab_size)
+                for name, (param, start, values) in released.items()}
+
     def save(self, trainer) -> None:
         """Write iteration `trainer.progress.iteration` to --save (atomic; --keep-last prunes older ones)."""
         progress = trainer.progress
@@ -33,7 +49,8 @@ class Checkpointer:
             self.args.save, progress.iteration, model=self.chunks, parallel_state=self.ps,
             optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
             extra={"progress": asdict(progress)}, args=self.args, consumed_samples=progress.consumed_samples,
-            rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, keep_last=self.args.keep_last)
+            rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, keep_last=self.args.keep_last,
+            model_overrides=self._overrides(self._released_weights()))
         if trainer.is_logging_rank:
             print(f" saved checkpoint at iteration {progress.iteration} to {path}", flush=True)
 
@@ -42,16 +59,18 @@ class Checkpointer:
         --finetune keeps only the weights (iteration 0, fresh optimizer and data position)."""
         args = self.args
         template, apply = distributed_optimizer_template(self.optimizer, self.chunks, self.ps)
+        released = self._released_weights()  # loaded into these buffers, not into the parameters
         loaded = load_checkpoint(args.load, model=self.chunks, parallel_state=self.ps, optimizer_state=template,
                                  rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, args=args,
                                  finetune=args.finetune, no_load_optim=args.no_load_optim or args.finetune,
-                                 no_load_rng=args.no_load_rng or args.finetune)
+                                 no_load_rng=args.no_load_rng or args.finetune,
+                                 model_overrides=self._overrides(released))
         if loaded is None:
             return None
         if loaded.optimizer_loaded:
-            apply()
-        else:
-            self.optimizer.reload_model_params()  # the loaded weights become the master weights
+            apply()  # publishes the loaded master weights into the model
+        else:  # the loaded weights become the master weights
+            self.optimizer.reload_master_weights({name: values for name, (_, _, values) in released.items()})
         if self.ps.rank == 0:
             for message in loaded.messages:
                 print(f" checkpoint: {message}", flush=True)

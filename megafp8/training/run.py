@@ -28,6 +28,7 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
                               # weight-gradient pass would bypass.
                               split_weight_grads=False, reduce_replicated_grads=False)
     ddp = DistributedDataParallel(pipeline.modules, parallel_state, DDPConfig.from_args(args, recipe))
+    ddp.num_microbatches = args.num_micro_batches  # the schedule runs every backward: overlap on the last one
     optimizer = DistributedOptimizer(ddp, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                      weight_decay=args.weight_decay, clip_grad=args.clip_grad,
                                      master_weight_dtype=args.master_weight_dtype,
