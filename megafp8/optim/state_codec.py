@@ -15,7 +15,9 @@ smallest nonzero |x|) maps exactly onto E4M3's normal range::
 E4M3 round-to-nearest has relative error at most 2^-4 on that range, so the round trip's relative
 error per nonzero element is at most ``max((17/16)^(1/k) - 1, 1 - (15/16)^(1/k))`` (k > 1 shrinks
 it, a group spanning more than 2^14.8 pays for its range with k < 1); zeros stay exactly zero.
-Overhead: amax and k as fp32 per 128 elements, 1.0625 bytes per element in all.
+amax and k are stored as bf16: amax rounded up (so |x| / amax <= 1), k computed from that amax and
+rounded down (so amin still lands on or above 2^-6), and encode uses the stored values, so the bound
+holds with the stored k. Overhead: 4 bytes per 128 elements, 1.03125 bytes per element in all.
 """
 from __future__ import annotations
 
@@ -79,13 +81,13 @@ class Fp8ExpandCodec(StateCodec):
     def __init__(self, numel: int, device=None) -> None:
         super().__init__(numel, device)
         self.codes = torch.zeros(numel, dtype=torch.float8_e4m3fn, device=device)
-        self.amax = torch.zeros(numel // GROUP, dtype=torch.float32, device=device)
-        self.k = torch.ones(numel // GROUP, dtype=torch.float32, device=device)
+        self.amax = torch.zeros(numel // GROUP, dtype=torch.bfloat16, device=device)
+        self.k = torch.ones(numel // GROUP, dtype=torch.bfloat16, device=device)
 
     def decode(self, start: int, end: int) -> torch.Tensor:
         groups, n = _grouped(start, end)
         y = _padded(self.codes[start:end].float(), n).view(-1, GROUP)
-        amax, k = self.amax[groups].unsqueeze(1), self.k[groups].unsqueeze(1)
+        amax, k = self.amax[groups].float().unsqueeze(1), self.k[groups].float().unsqueeze(1)
         a = amax * (y.abs() / E4M3_MAX).pow(1.0 / k)
         return (torch.sign(y) * a).reshape(-1)[: end - start]
 
@@ -93,11 +95,11 @@ class Fp8ExpandCodec(StateCodec):
         groups, n = _grouped(start, end)
         x = _padded(values.float(), n).view(-1, GROUP)
         a = x.abs()
-        amax = a.amax(dim=1)
+        amax = _bf16_round(a.amax(dim=1), up=True)
         amin = torch.where(a > 0, a, torch.full_like(a, math.inf)).amin(dim=1)
         log_ratio = torch.log(amax / amin)
         k = torch.where(log_ratio > 0, LOG_E4M3_RANGE / log_ratio, torch.full_like(amax, K_MAX)).clamp(max=K_MAX)
-        k = torch.where(amax > 0, k, torch.ones_like(k))
+        k = _bf16_round(torch.where(amax > 0, k, torch.ones_like(k)), up=False)
         safe_amax = torch.where(amax > 0, amax, torch.ones_like(amax)).unsqueeze(1)
         y = torch.sign(x) * (a / safe_amax).pow(k.unsqueeze(1)) * E4M3_MAX
         self.codes[start:end].copy_(y.reshape(-1)[: end - start].clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
@@ -106,6 +108,14 @@ class Fp8ExpandCodec(StateCodec):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "amax": self.amax, "k": self.k}
+
+
+def _bf16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """Positive fp32 values rounded up or down to bf16-representable fp32 values (clear the low 16 bits)."""
+    bits = x.float().view(torch.int32)
+    if up:
+        bits = bits + 0xFFFF
+    return (bits & -0x10000).view(torch.float32)
 
 
 def _grouped(start: int, end: int) -> tuple[slice, int]:
