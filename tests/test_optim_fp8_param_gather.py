@@ -114,6 +114,7 @@ def _overlap_body(rank, world_size):
         assert torch.equal(w0.data.view(torch.uint8), w1.data.view(torch.uint8))
     # With overlap the step leaves every bucket's gather to the next forward, whose pre-hooks run them all.
     ids, labels = local_micro_batches(cfg, 7, world_size, ps.dp_group.rank)[0]
+    opt1.zero_grad()
     m1(ids, labels).mean().backward()
     opt1.step(LR)
     assert all(b.param_sync_pending for b in d1.buckets)

@@ -1,5 +1,6 @@
 """The grad buffer's layout (views, 128-aligned parameters, DP x 128-padded buckets in backward order), the
 bf16 buffer (--grad-reduce-in-bf16) against the fp32 AdamW reference, and the user errors it raises."""
+import argparse
 import contextlib
 
 import pytest
@@ -75,6 +76,16 @@ def test_num_microbatches_delays_the_overlapped_reduction():
         train_step(ddp, opt, cfg, 0, 1e-3)
         grads.append(ddp.grad_buffers[0].clone())
     assert torch.equal(grads[0], grads[1])
+
+
+def test_config_from_megatron_flags():
+    args = argparse.Namespace(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                              fp8_param_gather=False, grad_reduce_in_bf16=True, ddp_bucket_size=40_000_000,
+                              num_micro_batches=4)
+    config = DDPConfig.from_args(args)
+    assert (config.use_distributed_optimizer, config.overlap_grad_reduce, config.overlap_param_gather,
+            config.grad_reduce_in_bf16, config.bucket_size, config.num_microbatches) == (True, True, True, True,
+                                                                                        40_000_000, 4)
 
 
 def test_flag_errors_name_the_flag():

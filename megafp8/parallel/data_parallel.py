@@ -42,7 +42,8 @@ class DDPConfig:
     """The data-parallel flags (Megatron names): --use-distributed-optimizer, --overlap-grad-reduce,
     --overlap-param-gather, --fp8-param-gather, --grad-reduce-in-bf16, --ddp-bucket-size (elements;
     None = one bucket per kind of parameter). ``fp8_recipe``: the run's recipe, for FP8 layers that
-    follow fp8_autocast instead of holding their own."""
+    follow fp8_autocast instead of holding their own. ``num_microbatches``: backward passes per iteration
+    that run outside ``no_sync()`` (a pipeline schedule runs all of them; see ``DistributedDataParallel``)."""
 
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
@@ -51,6 +52,7 @@ class DDPConfig:
     grad_reduce_in_bf16: bool = False
     bucket_size: int | None = None
     fp8_recipe: Fp8Recipe | None = None
+    num_microbatches: int = 1
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -67,7 +69,8 @@ class DDPConfig:
                    overlap_param_gather=getattr(args, "overlap_param_gather", False),
                    fp8_param_gather=getattr(args, "fp8_param_gather", False),
                    grad_reduce_in_bf16=getattr(args, "grad_reduce_in_bf16", False),
-                   bucket_size=getattr(args, "ddp_bucket_size", None), fp8_recipe=fp8_recipe)
+                   bucket_size=getattr(args, "ddp_bucket_size", None), fp8_recipe=fp8_recipe,
+                   num_microbatches=getattr(args, "num_micro_batches", None) or 1)
 
 
 @dataclass(eq=False)
@@ -171,7 +174,7 @@ class DistributedDataParallel(nn.Module):
         # Backward passes per iteration (micro-batches): a bucket is complete once every parameter's grad
         # hook fired this often. A pipeline schedule that runs all micro-batches itself sets it; a loop that
         # wraps all but the last micro-batch in no_sync() leaves it at 1.
-        self.num_microbatches = 1
+        self.num_microbatches = self.config.num_microbatches
         for p in params:
             p.register_post_accumulate_grad_hook(self._make_grad_hook())
         self._hook_handles = []
