@@ -37,9 +37,22 @@ def _count_weight_quantizations(pipe) -> Counter:
     return calls
 
 
+def _check_evaluate(pipe, reference, step, counted) -> None:
+    """Forward-only evaluation matches PP=1 and leaves the FP8 delayed-scaling state untouched."""
+    cfg, rows = pipe.config, pipe.micro_batch_size * pipe.num_microbatches
+    ids = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_length), generator=torch.Generator().manual_seed(9 + step))
+    before = {k: v.clone() for k, v in pipe.state_dict().items() if ".fp8_scaling." in k}
+    ref_loss = reference.evaluate(ids, ids.roll(-1, dims=1)) if pipe.parallel_state.dp_size == 1 else None
+    loss = pipe.evaluate(ids, ids.roll(-1, dims=1))
+    if ref_loss is not None:
+        assert abs(loss.item() - ref_loss.item()) <= (1e-3 if pipe.fp8_manager else 1e-5) * abs(ref_loss.item())
+    after = {k: v for k, v in pipe.state_dict().items() if ".fp8_scaling." in k}
+    assert all(torch.equal(before[k], after[k]) for k in before), "evaluation moved the FP8 scaling state"
+
+
 def _cases_body(rank: int, world_size: int, cases: list[Case]) -> None:
     for case in cases:
-        pipe = run_case(case, world_size)
+        pipe = run_case(case, world_size, step_hook=_check_evaluate)
         if case.tie:
             assert_tied_embeddings_identical(pipe)
         if case.fp8:

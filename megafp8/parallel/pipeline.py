@@ -200,26 +200,63 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only (no grads, no FP8 scaling-state update); the mean token loss on every pipeline rank."""
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward only (no grads, no FP8 scaling-state update); the mean token loss on every pipeline rank.
+
+        Runs its own forward-only pass rather than ``schedule.eval``: torch's multi-stage schedules still
+        issue backward actions in eval mode on V-shaped layouts. Each rank runs its stages in pipeline order,
+        every micro-batch, sending each output on as soon as it is computed (counted as ``pp_p2p``), so
+        consecutive ranks overlap like a forward-only GPipe.
+        """
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
-        mask = torch.ones(labels.shape, device=self.device)
-        self._step_tokens = mask.sum()
+        mask = torch.ones(labels.shape, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
+        self._step_tokens = mask.sum().clamp(min=1.0)
         for chunk in self.chunks:
             chunk.eval()
         try:
             if self.schedule is None:
                 return sum((self.chunks[0](ids, lab) * m).sum() / self._step_tokens
                            for ids, lab, m in zip(*(t.split(self.micro_batch_size) for t in (input_ids, labels, mask))))
-            args = (input_ids,) if self.holds_first_stage else ()
-            target = torch.stack([labels.double(), mask.double()], dim=-1) if self.holds_last_stage else None
-            losses: list[torch.Tensor] = []
-            self.schedule.eval(*args, target=target, losses=losses if self.holds_last_stage else None)
-            loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
-            return C.all_reduce(loss.reshape(1), self.parallel_state.pp_group, "pp_p2p").reshape(())
+            return self._evaluate_stages(input_ids, labels, mask)
+        except Exception as error:
+            if _is_communication_failure(error):
+                raise PipelineCommunicationError(self._failure_message(error)) from error
+            raise
         finally:
             for chunk in self.chunks:
                 chunk.train()
+
+    def _evaluate_stages(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ps, layout = self.parallel_state, self.layout
+        me, peers = ps.coords.pp, ps.pp_group.ranks  # peers: global rank of each pipeline rank
+        micro = [t.split(self.micro_batch_size) for t in (input_ids, labels, mask)]
+        local = dict(zip(self.stage_ids, self.chunks))
+        outputs: list[torch.Tensor | None] = [None] * self.num_microbatches  # between stages on this rank
+        sends: list[tuple[dist.Work, torch.Tensor]] = []  # non-blocking: looped layouts send both ways
+        loss = torch.zeros((), device=self.device)
+        for stage, chunk in local.items():  # every rank walks the stages in pipeline order: no cyclic waits
+            source = layout.stage_rank(stage - 1) if stage > 0 else me
+            sink = layout.stage_rank(stage + 1) if stage + 1 < layout.num_stages else me
+            for mb in range(self.num_microbatches):
+                if chunk.pre_process:
+                    out = chunk(micro[0][mb])
+                else:
+                    x = outputs[mb] if source == me else C.recv(
+                        torch.empty(self._p2p_shape(), dtype=self.config.params_dtype, device=self.device),
+                        peers[source], ps.pp_group.group)
+                    out = chunk(None, hidden_states=x)
+                if chunk.post_process:
+                    loss += self.microbatch_loss(out, torch.stack([micro[1][mb].double(), micro[2][mb].double()], -1))
+                elif sink == me:
+                    outputs[mb] = out
+                else:  # sent as soon as computed: the next rank starts on it while this one continues
+                    out = out.contiguous()
+                    ps.comm.add("pp_p2p", out.numel() * out.element_size())
+                    sends.append((dist.isend(out, peers[sink], group=ps.pp_group.group), out))
+        for work, _ in sends:
+            work.wait()
+        return C.all_reduce(loss.float().reshape(1), ps.pp_group, "pp_p2p").reshape(())
 
     def _run_plain(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """PP=1: gradient accumulation over micro-batches, the same loss normalization as the schedules."""
