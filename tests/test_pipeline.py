@@ -97,6 +97,7 @@ def _pp4_body(rank: int, world_size: int) -> None:
     _cases_body(rank, world_size, [Case(pp=4, layers=8), Case(pp=4, layers=8, tie=True, fp8=True)])
     # TP=2 x PP=2 with sequence parallelism: the [s/TP, b, h] shard travels between stages.
     run_case(Case(pp=2, tp=2, sp=True, tie=True), world_size)
+    run_case(Case(pp=2, tp=2, schedule="zbv"), world_size)  # without SP the replicated [s, mb, h] travels
     run_case(Case(pp=2, tp=2, sp=True, fp8=True), world_size, step_hook=_amax_once_per_step)
 
 
