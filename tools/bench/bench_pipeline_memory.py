@@ -1,4 +1,4 @@
-"""Peak saved-activation bytes per pipeline stage: 1F1B vs interleaved 1F1B, with and without recomputation.
+"""Peak saved-activation bytes per pipeline stage: 1F1B vs interleaved 1F1B (with and without recomputation), ZBV, DualPipeV.
 
     python tools/bench/bench_pipeline_memory.py --pp 4 --output /tmp/pipeline_memory.json
 
@@ -30,6 +30,8 @@ VARIANTS = {  # name -> (schedule, virtual-stage layers or None, recompute flags
     "interleaved (2 chunks)": ("interleaved", "half", {}),
     "interleaved (2 chunks) + full (uniform, 1)": ("interleaved", "half", dict(
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    "zbv (V, 2 chunks)": ("zbv", None, {}),
+    "dualpipev (V, 2 chunks)": ("dualpipev", None, {}),
 }
 
 
