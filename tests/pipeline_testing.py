@@ -107,6 +107,13 @@ def run_case(case: Case, world_size: int, step_hook=None) -> Pipeline:
     pipe = build_pipeline(cfg, ps, micro_batch_size=case.micro_batch_size, num_microbatches=case.microbatches,
                           fp8_recipe=recipe)
     ref_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():  # built from scratch: the same full model, bit for bit
+        full = gather_tensor_model_parallel(param.detach(), param, ps.tp_group)
+        ref_name = "embedding.weight" if case.tie and name == "output_layer.weight" else name
+        if getattr(param, "padded_vocab", False):
+            assert torch.all(full[cfg.vocab_size:] == 0), name
+            full = full[: cfg.vocab_size]
+        assert torch.equal(full, ref_params[ref_name].detach()[: full.shape[0]]), (str(case), "init", name)
     g = torch.Generator().manual_seed(11)
     rows = case.micro_batch_size * case.microbatches
     for step in range(case.steps + (case.fp8 and case.tp > 1)):
