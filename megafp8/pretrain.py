@@ -47,12 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" not in os.environ:  # a plain `python -m` run is one process: no process group needed
         return run(args, parallel_state, config)
     initialize_distributed(timeout_minutes=args.distributed_timeout_minutes)
-    try:
-        return run(args, parallel_state, config)
-    finally:
-        # Tear the groups down together: a rank that exits with gloo threads alive aborts (SIGABRT).
-        dist.barrier()
-        dist.destroy_process_group()
+    status = run(args, parallel_state, config)  # an exception propagates: torchrun then stops the other ranks
+    # Tear the groups down together: a rank that exits with gloo threads alive aborts (SIGABRT).
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":

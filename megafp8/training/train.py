@@ -142,13 +142,14 @@ class Trainer:
     def train(self) -> TrainProgress:
         args, p = self.args, self.progress
         stop = StopSignal()
+        self.ps.comm.reset()  # setup traffic (the first parameter gather, a checkpoint load) is no iteration's
         start_time = time.monotonic()
         window_start, window_iters = time.perf_counter(), 0
         try:
             while p.iteration < self.train_iters:
                 telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
                 if self.recipe is not None:  # the saturation guard reads telemetry every step
-                    enable_fp8_telemetry(self.ddp.module, True)
+                    enable_fp8_telemetry(self.ddp.module, self.guard is not None or telemetry)
                 lr = self.schedule(p.consumed_samples)
                 loss, updated, grad_norm = self.train_step()
                 p.iteration += 1
