@@ -11,14 +11,14 @@ from data_fixtures import REPO_ROOT
 
 def test_quickstart_trains_saves_resumes_and_learns(tmp_path):
     work = tmp_path / "quickstart"
-    env = {**os.environ, "QUICKSTART_ITERS": "15"}
+    env = {**os.environ, "QUICKSTART_ITERS": "21"}
     result = subprocess.run(["bash", "examples/quickstart.sh", str(work)], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "loaded checkpoint" in result.stdout and "latest: 15" in result.stdout
+    assert "loaded checkpoint" in result.stdout and "latest: 21" in result.stdout
     records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "lm_loss" in r]
-    assert [r["iteration"] for r in train] == [5, 10, 15]  # 10 before the stop, the rest after the resume
+    assert [r["iteration"] for r in train] == [5, 10, 15, 20]  # stopped at 14, resumed to 21
     assert train[-1]["lm_loss"] < train[0]["lm_loss"] - 0.5
     assert train[-1]["comm_bytes"]["dp_param_allgather"] > 0 and train[-1]["comm_bytes"]["pp_p2p"] > 0
     assert any("val_lm_loss" in r for r in records)
