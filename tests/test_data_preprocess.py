@@ -186,7 +186,8 @@ def test_missing_eos_with_append_eod_is_an_error(tmp_path, small_corpus):
         preprocess(small_corpus, str(tmp_path / "o"), SentencePieceTokenizer(prefix + ".model"), append_eod=True)
 
 
-def test_huggingface_tokenizer_round_trip(tmp_path, small_corpus):
+@pytest.mark.parametrize("use_threads", [True, False], ids=["thread", "processes"])
+def test_huggingface_tokenizer_round_trip(tmp_path, small_corpus, use_threads):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from megafp8.data.tokenizer import HuggingFaceTokenizer
@@ -198,7 +199,7 @@ def test_huggingface_tokenizer_round_trip(tmp_path, small_corpus):
     fast.save(str(tmp_path / "tokenizer.json"))
     tok = HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
     preprocess(small_corpus, str(tmp_path / "hf"), tok, append_eod=True, workers=2, progress=False,
-               chunk_bytes=64 << 10)
+               chunk_bytes=64 << 10, use_threads=use_threads)
     expected = [fast.encode(t, add_special_tokens=False).ids + [1] for t in texts]
     assert _docs(str(tmp_path / "hf_text_document")) == expected
 

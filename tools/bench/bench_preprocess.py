@@ -1,4 +1,4 @@
-"""Benchmark preprocessing against Megatron-LM's own tools/preprocess_data.py and the tokenizer-bound limit; GPT indices.
+"""Benchmark preprocessing against Megatron-LM's own tools/preprocess_data.py and the tokenizer-bound limit.
 
     python tools/bench/bench_preprocess.py --megatron-lm /tmp/megatron-lm --corpus man --vocab-size 8000 \\
         --workers 2 --repeats 5 --output results.json
@@ -14,15 +14,15 @@
      preprocessing tool can be faster with this tokenizer.
    Each command runs as a fresh process; wall seconds (the whole command, start-up included, except for
    ``limit``, which times only the encode call), CPU seconds (user + system of the process and its
-   children) and start-up seconds (the same command on the corpus's first document alone) are recorded, min and median over ``--repeats``, rotating the order every repeat so background
+   children), start-up seconds (the same command on the corpus's first document alone) and the share of
+   the cores that other processes kept busy meanwhile (from /proc/stat) are recorded, min and median over ``--repeats``, rotating the order every repeat so background
    load on a shared machine hits all three alike. The megafp8 and Megatron-LM outputs are compared byte
    for byte. Without ``--megatron-lm`` only megafp8 and the limit run.
    Corpora: ``man`` (every page under /usr/share/man/man*, decompressed roff source, one document per page),
    ``stdlib`` (the embedded corpus of tools/build_corpus.py, ``--max-bytes``), ``paragraphs`` (stdlib
    docstrings cut at blank lines: ~120-byte documents, where per-document overhead dominates).
-2. Index building: document, sample and shuffle index of a GPT dataset over 10^8 and 10^9 tokens of
-   synthetic document lengths (nothing is read from disk), with Megatron-Core's compiled
-   ``build_sample_idx`` timed on the same document order when available.
+
+Index building is benchmarked by tools/bench/bench_data_index.py.
 """
 from __future__ import annotations
 
@@ -37,15 +37,11 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
-
-import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from megafp8.data.corpus import build_corpus  # noqa: E402
-from megafp8.data.gpt_dataset import build_document_index, build_sample_index, build_shuffle_index  # noqa: E402
 from megafp8.data.tokenizer_training import train_sentencepiece  # noqa: E402
 
 _TYPING_SHIM = (
@@ -108,17 +104,39 @@ def encode_limit(corpus: str, model: str, threads: int) -> None:
     print(json.dumps({"wall_s": wall, "cpu_s": cpu, "tokens": sum(map(len, ids)) + len(ids)}))  # + one EOD each
 
 
-def _run(command: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Run a command to completion; (wall s, user + system CPU s of it and its children, stdout)."""
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (every process, from /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_idle_machine(max_wait_s: float, idle_fraction: float = 0.9, probe_s: float = 2.0) -> float:
+    """Wait (at most max_wait_s) until other processes leave idle_fraction of the cores free; the busy share seen."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy = _busy_cpu_seconds()
+        time.sleep(probe_s)
+        share = (_busy_cpu_seconds() - busy) / (probe_s * os.cpu_count())
+        if share <= 1 - idle_fraction or time.monotonic() >= deadline:
+            return share
+
+
+def _run(command: list[str], env: dict | None = None) -> tuple[float, float, float, str]:
+    """Run a command to completion; (wall s, user + system CPU s of it and its children, the share of the
+    machine's cores that other processes kept busy meanwhile, stdout)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy = _busy_cpu_seconds()
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    busy = _busy_cpu_seconds() - busy
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, result.stdout
+    return wall, cpu, max(busy - cpu, 0.0) / (wall * os.cpu_count()), result.stdout
 
 
 def preprocess_commands(corpus: str, model: str, workdir: str, workers: int, megatron_lm: str | None) -> dict:
@@ -144,33 +162,43 @@ def preprocess_commands(corpus: str, model: str, workdir: str, workers: int, meg
 
 
 def bench_preprocess(corpus: str, model: str, workdir: str, workers: int, repeats: int,
-                     megatron_lm: str | None) -> dict:
+                     megatron_lm: str | None, wait_idle_s: float = 0.0) -> dict:
     commands = preprocess_commands(corpus, model, workdir, workers, megatron_lm)
-    # The same commands on the corpus's first document alone measure each tool's start-up (imports, pools).
-    one_document = os.path.join(workdir, "one_document.jsonl")
+    # The same commands on the corpus's first document alone (written elsewhere, so that the full runs'
+    # outputs stay for the comparison) measure each tool's start-up: imports, pools.
+    startup_dir = os.path.join(workdir, "startup")
+    os.makedirs(startup_dir, exist_ok=True)
+    one_document = os.path.join(startup_dir, "one_document.jsonl")
     with open(corpus, encoding="utf-8") as f, open(one_document, "w", encoding="utf-8") as out:
         out.write(f.readline())
-    startup_commands = {name: ([one_document if a == corpus else a for a in argv], env)
-                        for name, (argv, env) in commands.items() if name != "limit"}
+    startup_commands = preprocess_commands(one_document, model, startup_dir, workers, megatron_lm)
     names = list(commands)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(repeats):
         for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # rotate the order
             argv, env = commands[name]
-            wall, cpu, stdout = _run(argv, env)
+            if wait_idle_s:
+                wait_for_idle_machine(wait_idle_s)
+            wall, cpu, others, stdout = _run(argv, env)
             if name == "limit":  # the child timed only its encode call
                 wall, cpu = json.loads(stdout)["wall_s"], json.loads(stdout)["cpu_s"]
                 startup = 0.0
             else:
                 startup = _run(*startup_commands[name])[0]
-            runs[name].append({"wall_s": wall, "cpu_s": cpu, "startup_s": startup, "loadavg": os.getloadavg()[0]})
+            runs[name].append({"wall_s": wall, "cpu_s": cpu, "startup_s": startup, "others_busy": others,
+                               "loadavg": os.getloadavg()[0]})
             print(json.dumps({"repeat": repeat, "command": name, **runs[name][-1]}), flush=True)
     row = {"corpus_mb": os.path.getsize(corpus) / 1e6, "workers": workers, "repeats": repeats,
            "commands": {name: " ".join(argv) for name, (argv, _) in commands.items()}, "runs": runs}
     for name in names:
-        for metric in ("wall_s", "cpu_s", "startup_s"):
+        for metric in ("wall_s", "cpu_s", "startup_s", "others_busy"):
             values = [r[metric] for r in runs[name]]
             row[f"{name}_{metric}_min"], row[f"{name}_{metric}_median"] = min(values), statistics.median(values)
+        # Runs during which other processes kept under 10% of the cores busy: the numbers of a quiet machine.
+        quiet = [r["wall_s"] for r in runs[name] if r["others_busy"] < 0.1]
+        if quiet:
+            row[f"{name}_quiet_runs"], row[f"{name}_quiet_wall_s_min"] = len(quiet), min(quiet)
+            row[f"{name}_quiet_wall_s_median"] = statistics.median(quiet)
     for stat in ("min", "median"):
         row[f"megafp8_over_limit_wall_{stat}"] = row[f"megafp8_wall_s_{stat}"] / row[f"limit_wall_s_{stat}"]
         if megatron_lm:
@@ -188,50 +216,6 @@ def bench_preprocess(corpus: str, model: str, workdir: str, workers: int, repeat
     return row
 
 
-# --- index building -------------------------------------------------------------------------------------------
-
-def _megatron_helpers():
-    """megatron.core.datasets.helpers (compiled), or None when the package is unavailable."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets import helpers
-        return helpers
-    except Exception:  # ImportError, or a missing compiled helper
-        return None
-
-
-def bench_index(total_tokens: int, mean_length: int, seq_length: int, repeats: int) -> dict:
-    rng = np.random.default_rng(0)
-    num_docs = total_tokens // mean_length
-    lengths = rng.integers(1, 2 * mean_length, size=num_docs).astype(np.int32)
-    tokens = int(lengths.sum(dtype=np.int64))
-    num_samples = (tokens - 1) // seq_length
-    phases = {"document_index_s": [], "sample_index_s": [], "shuffle_index_s": []}
-    for _ in range(repeats):
-        gen = np.random.default_rng(1234)
-        t0 = time.perf_counter()
-        document_index = build_document_index(np.arange(num_docs), 1, gen)
-        t1 = time.perf_counter()
-        build_sample_index(lengths, document_index, seq_length, num_samples)
-        t2 = time.perf_counter()
-        build_shuffle_index(num_samples, gen)
-        t3 = time.perf_counter()
-        for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-            phases[name].append(seconds)
-    row = {"tokens": tokens, "documents": num_docs, "seq_length": seq_length, "samples": num_samples}
-    row.update({name: min(values) for name, values in phases.items()})
-    row["ours_total_s"] = sum(row[name] for name in phases)
-    helpers = _megatron_helpers()
-    if helpers is not None:
-        document_index = document_index.astype(np.int32)
-        start = time.perf_counter()
-        helpers.build_sample_idx(lengths, document_index, seq_length, 1, tokens, True, True)
-        row["megatron_cpp_sample_index_s"] = time.perf_counter() - start
-    print(json.dumps(row), flush=True)
-    return row
-
-
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--encode-limit":
         encode_limit(sys.argv[2], sys.argv[3], int(sys.argv[4]))
@@ -244,25 +228,21 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--skip-preprocess", action="store_true")
-    parser.add_argument("--skip-index", action="store_true")
+    parser.add_argument("--wait-idle", type=float, default=0.0,
+                        help="before each command wait up to this many seconds for a machine 90%% idle")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
                "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-               "command": " ".join(sys.argv), "loadavg_before": os.getloadavg()}
-    if not args.skip_preprocess:
-        corpus = build_input(args.corpus, args.workdir, args.max_bytes)
-        model = train_sentencepiece([corpus], os.path.join(args.workdir, f"sp{args.vocab_size}"), args.vocab_size,
-                                    max_sentences=300_000, progress=False)
-        results["preprocess"] = bench_preprocess(corpus, model, args.workdir, args.workers, args.repeats,
-                                                 args.megatron_lm)
-        results["preprocess"].update(corpus=args.corpus, vocab_size=args.vocab_size)
-    if not args.skip_index:
-        results["index"] = [bench_index(total, mean, args.seq_length, args.repeats)
-                            for total in (10**8, 10**9) for mean in (1000, 100)]
+               "command": " ".join(sys.argv), "loadavg_before": os.getloadavg(),
+               "sentencepiece": __import__("sentencepiece").__version__}
+    corpus = build_input(args.corpus, args.workdir, args.max_bytes)
+    model = train_sentencepiece([corpus], os.path.join(args.workdir, f"sp{args.vocab_size}"), args.vocab_size,
+                                max_sentences=300_000, progress=False)
+    results["preprocess"] = bench_preprocess(corpus, model, args.workdir, args.workers, args.repeats,
+                                             args.megatron_lm, args.wait_idle)
+    results["preprocess"].update(corpus=args.corpus, vocab_size=args.vocab_size)
     results["loadavg_after"] = os.getloadavg()
     if args.output:
         with open(args.output, "w") as f:
