@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= warmup < iters:
         parser.error(f"--warmup ({warmup}) must leave at least one of --iters ({iters}) timed")
     vocab = 1000 if args.quick else 32000
-    peak = device_peak_tflops(torch.cuda.get_device_name()) if cuda else None
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    peak = device_peak_tflops(device) if cuda else None
     with tempfile.TemporaryDirectory(prefix="bench_train_") as scratch:
         prefix = str(Path(scratch) / "synthetic")
         base = model_flags(args.quick, iters)
@@ -160,13 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             records, memory = run_one(flags, Path(scratch) / f"logs{i}", args.timeout)
             rows.append(summarize(name, flags, records, memory, warmup, vocab + 1, peak))
             print(f"# {name}: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
-    device = torch.cuda.get_device_name() if cuda else "CPU"
+            if args.json:  # after every run: a run cut short by a timeout still leaves the finished rows
+                Path(args.json).write_text(json.dumps({"device": device, "iters": iters, "warmup": warmup,
+                                                       "rows": rows}, indent=1))
     print(f"bench_train: {device}, {iters} iterations per run, first {warmup} untimed, "
           f"model flags: {' '.join(base)}\n")
     print(markdown(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "iters": iters, "warmup": warmup, "rows": rows},
-                                              indent=1))
     return 0
 
 

@@ -9,8 +9,11 @@ Runs, in one go, on a machine with a CUDA GPU (budget: under 6 minutes on one H2
      (MEGAFP8_GEMM_AUTOTUNE=0: one fixed config per specialization; pytest-xdist -n 12 if installed);
   2. tools/bench/kernel_resources.py: n_regs / n_spills / shared memory of every GEMM launch config
      and the quantize kernels, each GEMM checked against the reference twin;
-  3. tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16) and quantize GB/s.
-Results go to $OUT (or ./gpu_check_out): env.txt, pytest.txt, resources.md/.json, bench_gemm.md/.json.
+  3. tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16) and quantize GB/s;
+  4. tools/bench/bench_train.py: end-to-end training of a ~1B Llama, bf16 vs FP8 tensorwise/delayed (and the
+     compressed ZeRO preset), 5 iterations each (2 untimed): tokens/s, TFLOP/s, MFU, peak memory.
+Results go to $OUT (or ./gpu_check_out): env.txt, pytest.txt, resources.md/.json, bench_gemm.md/.json,
+bench_train.md/.json.
 Exits 0 when every step passed; 1 when a step failed or no CUDA GPU is visible (then nothing runs).
 EOF
 }
@@ -61,5 +64,11 @@ resources_rc=$?
 timeout 130 python3 tools/bench/bench_gemm.py --json "$out/bench_gemm.json" 2>&1 | tee "$out/bench_gemm.md"
 bench_rc=$?
 
-echo "gpu_check: tests rc=$tests_rc, resources rc=$resources_rc, bench rc=$bench_rc (124 = step timed out)"
-exit $(( tests_rc || resources_rc || bench_rc ))
+# 4. End-to-end training through megafp8.pretrain (the full six-run table: python tools/bench/bench_train.py).
+timeout 120 python3 tools/bench/bench_train.py --iters 5 --warmup 2 \
+  --only "high precision" "fp8 tensorwise" "fp8 delayed" --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.md"
+train_rc=$?
+
+echo "gpu_check: tests rc=$tests_rc, resources rc=$resources_rc, bench rc=$bench_rc, train rc=$train_rc" \
+  "(124 = step timed out)"
+exit $(( tests_rc || resources_rc || bench_rc || train_rc ))
