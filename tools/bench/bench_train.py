@@ -9,7 +9,7 @@ the Python/torch runtime). TFLOP/s come from `megafp8.training.flops` (docs/trai
 dense BF16 and FP8 peaks of `megafp8.training.training_log.PEAK_TFLOPS`.
 
     python tools/bench/bench_train.py --quick          # CPU, tiny model, about a minute
-    python tools/bench/bench_train.py                  # GPU: ~1B Llama (16 x 2048, seq 2048), TP=1, bf16
+    python tools/bench/bench_train.py                  # GPU: ~1B Llama (16 x 2048, FFN 8192, seq 2048), TP=1, bf16
 """
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def model_flags(quick: bool, iters: int) -> list[str]:
     if quick:
         shape = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
                  "--micro-batch-size", "2"]
-    else:  # ~1.1B parameters with a 32k vocabulary
-        shape = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads",
-                 "16", "--num-query-groups", "8", "--seq-length", "2048", "--micro-batch-size", "2"]
+    else:  # Llama-3.2-1B's transformer (1.04B parameters with this 32k tied vocabulary)
+        shape = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads",
+                 "32", "--num-query-groups", "8", "--seq-length", "2048", "--micro-batch-size", "2"]
     return [*shape, "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
             "--log-interval", "1", "--split", "100,0,0", "--seed", "1234"]
 
