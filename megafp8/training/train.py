@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -47,6 +48,12 @@ def learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule:
         decay = args.train_samples
     return LearningRateSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_samples=warmup, decay_samples=decay,
                                 decay_style=args.lr_decay_style)
+
+
+# Test hook, unset in real runs: MEGAFP8_INJECT_NAN_AT_ITERATION=N makes iteration N's loss NaN on the logging
+# rank (a NaN loss mask, multiplied into the loss before backward), so tests/test_training_3d.py can check that a
+# non-finite step is skipped on every rank, counted in the log line and metrics, and that training continues.
+_INJECT_NAN_AT_ITERATION = int(os.environ.get("MEGAFP8_INJECT_NAN_AT_ITERATION", "0"))
 
 
 class StopSignal:
@@ -124,7 +131,9 @@ class Trainer:
         """(loss averaged over micro-batches and DP, optimizer updated?, grad norm)."""
         self.ddp.zero_grad_buffer()
         inputs, labels = self._global_batch(self.train_batches)
-        loss = self.pipeline.step(inputs, labels)  # also the FP8 amax reduction and scale update
+        injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
+        loss_mask = torch.full(labels.shape, float("nan")) if injected_nan else None  # the test hook above
+        loss = self.pipeline.step(inputs, labels, loss_mask)  # also the FP8 amax reduction and scale update
         result = self.optimizer.step(self.schedule(self.progress.consumed_samples))  # finishes the DP grad sync
         if self.guard is not None:
             for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
