@@ -14,7 +14,7 @@ from megafp8.fp8.recipe import FORMATS, SCALINGS
 from megafp8.model.config import ACTIVATIONS
 from megafp8.optim.lr_schedule import DECAY_STYLES
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 TOKENIZERS = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
@@ -196,7 +196,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append("--master-weight-dtype/--optimizer-state-dtype other than fp32 need --use-distributed-optimizer")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.pipeline_schedule in ("interleaved", "zbv", "dualpipev") and args.pipeline_model_parallel_size == 1:
+    if args.pipeline_schedule != "1f1b" and args.pipeline_model_parallel_size == 1:
         errors.append(f"--pipeline-schedule {args.pipeline_schedule} needs --pipeline-model-parallel-size > 1")
     if args.recompute_method is not None and args.recompute_granularity != "full":
         errors.append("--recompute-method applies to --recompute-granularity full")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -37,7 +38,7 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
 
 
 def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig) -> int:
-    parallel_state.init_process_groups()
+    parallel_state.init_process_groups(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     torch.manual_seed(args.seed)  # data-independent randomness; parameters come from (seed, name) generators
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
     guard = None
