@@ -122,7 +122,7 @@ def markdown(rows: list[dict]) -> str:
         mfu = f"{100 * r['mfu_bf16']:.1f}% / {100 * r['mfu_fp8']:.1f}%" if r["mfu_bf16"] is not None else "n/a (no GPU peak)"
         lines.append(f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['tflops']:.4f} | "
                      f"{mfu} | {r['peak_memory_bytes'] / scale:.1f} | {r['model_state_bytes_per_param']:.3f} | "
-                     f"{r['final_lm_loss']:.4f} |")
+                     f"{'non-finite' if r['final_lm_loss'] is None else format(r['final_lm_loss'], '.4f')} |")
     return "\n".join(lines)
 
 
