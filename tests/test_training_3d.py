@@ -147,13 +147,18 @@ def test_checkpoint_reshards_on_load(fp32_3d_checkpoint, layout, data_prefix, tm
     assert sorted(loss) == [4] and loss[4] == pytest.approx(expected, rel=1e-5)
 
 
-def test_truncated_checkpoint_fails_clearly_on_every_layout(fp32_3d_checkpoint, data_prefix, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_damaged_checkpoint_fails_once_on_rank_0_without_a_hang(damage, fp32_3d_checkpoint, data_prefix, tmp_path):
+    """The largest shard cut in half, or the same size with bytes flipped; loaded by a 2-process DP2 job."""
     source, _ = fp32_3d_checkpoint
     save = tmp_path / "checkpoints"
     shutil.copytree(source / "iter_0000003", save / "iter_0000003")
     (save / "latest_checkpointed_iteration.txt").write_text("3")
     shard = max((p for p in (save / "iter_0000003").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    data = shard.read_bytes()
+    middle = len(data) // 2
+    shard.write_bytes(data[:middle] if damage == "truncated" else
+                      data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:])
     result = _pretrain(2, *FP32_RUN, "--data-path", data_prefix, "--load", str(save))
     assert result.returncode != 0
     assert result.stderr.count("megafp8-pretrain: error:") == 1 and shard.name in result.stderr, result.stderr[-3000:]
@@ -215,16 +220,21 @@ def _wait_for(condition, agent: subprocess.Popen, poll: float) -> None:
         time.sleep(poll)
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(data_prefix, tmp_path):
+@pytest.mark.parametrize("target", ["ranks", "agent"])
+def test_sigterm_finishes_the_step_saves_and_exits_0(target, data_prefix, tmp_path):
+    """SIGTERM to every rank (a scheduler's preemption) or to the torchrun agent, which forwards it to its
+    workers: they finish the step, save it and exit 0. The agent itself then exits 1 (torchrun re-raises the
+    signal it received), so that case checks the ranks' own clean end instead of the agent's status."""
     save, logs = tmp_path / "checkpoints", tmp_path / "logs"
     agent = _launch(*SMALL_RUN, "--data-path", data_prefix, "--save", str(save), "--log-dir", str(logs))
     _wait_for(lambda: (logs / "metrics.jsonl").exists() and len(_records(logs)) >= 2, agent, 0.2)
-    for pid in _workers(agent).values():  # what a scheduler's preemption does
+    for pid in _workers(agent).values() if target == "ranks" else [agent.pid]:
         os.kill(pid, signal.SIGTERM)
     out, err = agent.communicate(timeout=TIMEOUT)
-    assert agent.returncode == 0, out[-2000:] + err[-3000:]
+    assert agent.returncode == (0 if target == "ranks" else 1), out[-2000:] + err[-3000:]
     last = max(_losses(logs))
     assert 2 <= last < 1000 and f"saved checkpoint at iteration {last} " in out and _tracker(save) == last
+    assert f"megafp8: trained {last} iterations" in out  # the last rank's run() returned normally
 
 
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(data_prefix, tmp_path):
