@@ -56,3 +56,15 @@ def test_unknown_flag_is_rejected(capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(BASE + ["--fp8-wgrad"])
     assert info.value.code == 2 and "--fp8-wgrad" in capsys.readouterr().err
+
+
+def test_wsd_schedule_flags_reach_the_schedule():
+    from megafp8.training.train import learning_rate_schedule
+
+    args = parse_args(BASE + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", "linear",
+                              "--lr", "1e-3", "--min-lr", "1e-4"])
+    schedule = learning_rate_schedule(args)
+    # decay over 10 samples (global batch 1), annealing over the last 4: held until 6, then linear to --min-lr
+    assert schedule(6) == 1e-3 and schedule(7) == pytest.approx(1e-3 - 0.25 * 9e-4) and schedule(10) == pytest.approx(1e-4)
+    with pytest.raises(ArgumentError, match="--lr-wsd-decay-iters"):
+        parse_args(BASE + ["--lr-decay-style", "WSD"])

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from megafp8.fp8.recipe import FORMATS, SCALINGS
 from megafp8.model.config import ACTIVATIONS
-from megafp8.optim.lr_schedule import DECAY_STYLES
+from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 TOKENIZERS = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=int, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: length of the final anneal")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD: the anneal in samples")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
@@ -181,6 +184,8 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         if args.lr_decay_iters is not None or args.lr_warmup_iters:
             errors.append("--lr-warmup-iters/--lr-decay-iters go with --train-iters; with --train-samples use "
                           "--lr-warmup-samples/--lr-decay-samples")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
+        errors.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
     if args.lr_warmup_samples is not None and args.lr_warmup_iters:
         errors.append("--lr-warmup-iters and --lr-warmup-samples are exclusive")
     if args.fp8_param_gather and args.fp8_format is None:

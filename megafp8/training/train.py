@@ -46,8 +46,12 @@ def learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule:
         decay = args.lr_decay_iters * args.global_batch_size
     else:
         decay = args.train_samples
+    wsd = args.lr_wsd_decay_samples
+    if wsd is None and args.lr_wsd_decay_iters is not None:
+        wsd = args.lr_wsd_decay_iters * args.global_batch_size
     return LearningRateSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_samples=warmup, decay_samples=decay,
-                                decay_style=args.lr_decay_style)
+                                decay_style=args.lr_decay_style, wsd_decay_samples=wsd,
+                                wsd_decay_style=args.lr_wsd_decay_style)
 
 
 # Test hook, unset in real runs: MEGAFP8_INJECT_NAN_AT_ITERATION=N makes iteration N's loss NaN on the logging
