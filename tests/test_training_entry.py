@@ -61,3 +61,21 @@ def test_bad_input_fails_before_training_naming_the_cause(text_prefix, flags, me
     result = _pretrain(*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "2", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_fp8_run_writes_per_layer_telemetry_to_tensorboard(text_prefix, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prefix, tokenizer = text_prefix
+    result = _pretrain(*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "4",
+                       "--eval-iters", "0", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                       "--fp8-amax-history-len", "4", "--log-fp8-telemetry", "--log-interval", "2",
+                       "--tensorboard-dir", str(tmp_path / "tb"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/lm_loss" in tags
+    saturated = [t for t in tags if t.startswith("fp8/") and "linear_fc1/input/" in t]
+    assert saturated, tags  # per layer and role, at the logged iterations 2 and 4
+    assert [e.step for e in events.Scalars(saturated[0])] == [2, 4]

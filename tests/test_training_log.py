@@ -46,14 +46,14 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
     log = TrainingLog(tensorboard_dir=str(tmp_path))
     for i in (1, 2):
-        log.log_iteration(_record(i, loss=3.0 - i), fp8_telemetry={"layers.0.mlp.linear_fc1.input": {"amax": 4.0}})
+        log.log_iteration(_record(i, loss=3.0 - i), fp8_telemetry={"fp8/layers.0.mlp.linear_fc1/input/amax": 4.0})
     log.log_validation(2, 1.5)
     log.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [e.value for e in events.Scalars("train/lm_loss")] == [2.0, 1.0]
     assert events.Scalars("validation/lm_loss")[0].value == 1.5
-    assert events.Scalars("fp8/layers.0.mlp.linear_fc1.input/amax")[0].value == 4.0
+    assert events.Scalars("fp8/layers.0.mlp.linear_fc1/input/amax")[0].value == 4.0
 
 
 def test_mfu_peaks():

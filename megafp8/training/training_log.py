@@ -98,7 +98,8 @@ class TrainingLog:
             with self.metrics_path.open("a") as f:  # one line per record: a crash loses at most the last one
                 f.write(json.dumps(record) + "\n")
 
-    def log_iteration(self, record: IterationRecord, fp8_telemetry: dict[str, dict[str, float]] | None = None) -> None:
+    def log_iteration(self, record: IterationRecord, fp8_telemetry: dict[str, float] | None = None) -> None:
+        """``fp8_telemetry``: megafp8.fp8.collect_fp8_telemetry's ``{"fp8/<layer>/<role>/<stat>": value}``."""
         self._append(record.json_record())
         if self.tensorboard is not None:
             step = record.iteration
@@ -107,9 +108,8 @@ class TrainingLog:
                 value = getattr(record, name)
                 if math.isfinite(value):
                     self.tensorboard.add_scalar(f"train/{name}", value, step)
-            for layer, stats in (fp8_telemetry or {}).items():
-                for stat, value in stats.items():
-                    self.tensorboard.add_scalar(f"fp8/{layer}/{stat}", value, step)
+            for tag, value in (fp8_telemetry or {}).items():
+                self.tensorboard.add_scalar(tag, value, step)
 
     def log_validation(self, iteration: int, val_lm_loss: float) -> None:
         self._append({"iteration": iteration, "val_lm_loss": _finite_or_none(val_lm_loss)})
