@@ -244,8 +244,10 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(data_prefix, 
     def second_save_in_progress() -> bool:
         return save.is_dir() and any(p.name.startswith("iter_") and ".tmp-" in p.name and int(p.name[5:12]) >= 2
                                      for p in save.iterdir())
+    _wait_for(lambda: len(_workers(agent)) == 2, agent, 0.1)
+    rank_0 = _workers(agent)[0]  # looked up beforehand: the kill must land inside the save's short window
     _wait_for(second_save_in_progress, agent, 0.002)
-    os.kill(_workers(agent)[0], signal.SIGKILL)  # rank 0 commits the save: it never completes
+    os.kill(rank_0, signal.SIGKILL)  # rank 0 commits the save: it never completes
     agent.communicate(timeout=TIMEOUT)
     assert agent.returncode != 0
     half_written = [p.name for p in save.iterdir() if ".tmp-" in p.name]
