@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from data_fixtures import REPO_ROOT
 
 
@@ -23,3 +25,14 @@ def test_quickstart_trains_saves_resumes_and_learns(tmp_path):
     assert train[-1]["comm_bytes"]["dp_param_allgather"] > 0 and train[-1]["comm_bytes"]["pp_p2p"] > 0
     assert any("val_lm_loss" in r for r in records)
     assert any((work / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_full_quickstart_as_the_readme_runs_it(tmp_path):
+    """The default 60 iterations (a few minutes on 2 cores): the loss falls by more than 2 nats."""
+    work = tmp_path / "quickstart"
+    result = subprocess.run(["bash", "examples/quickstart.sh", str(work)], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train = [r for r in map(json.loads, (work / "logs" / "metrics.jsonl").read_text().splitlines()) if "lm_loss" in r]
+    assert train[-1]["iteration"] == 60 and train[-1]["lm_loss"] < train[0]["lm_loss"] - 2.0

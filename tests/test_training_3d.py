@@ -207,8 +207,8 @@ def _workers(agent: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def _launch(*flags: str) -> subprocess.Popen:
-    return subprocess.Popen([*_command(2), *flags], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+def _launch(*flags: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([*_command(2), *flags], cwd=REPO_ROOT, env=_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -239,14 +239,16 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(target, data_prefix, tmp_pa
 
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(data_prefix, tmp_path):
     save = tmp_path / "checkpoints"
-    agent = _launch(*SMALL_RUN, "--data-path", data_prefix, "--save", str(save), "--save-interval", "1")
+    # Rank 0 pauses 3 s before committing each save (a test hook), so the kill surely lands mid-save.
+    agent = _launch(*SMALL_RUN, "--data-path", data_prefix, "--save", str(save), "--save-interval", "1",
+                    env={"MEGAFP8_TEST_PAUSE_BEFORE_COMMIT_S": "3"})
 
     def second_save_in_progress() -> bool:
         return save.is_dir() and any(p.name.startswith("iter_") and ".tmp-" in p.name and int(p.name[5:12]) >= 2
                                      for p in save.iterdir())
     _wait_for(lambda: len(_workers(agent)) == 2, agent, 0.1)
     rank_0 = _workers(agent)[0]  # looked up beforehand: the kill must land inside the save's short window
-    _wait_for(second_save_in_progress, agent, 0.002)
+    _wait_for(second_save_in_progress, agent, 0.05)
     os.kill(rank_0, signal.SIGKILL)  # rank 0 commits the save: it never completes
     agent.communicate(timeout=TIMEOUT)
     assert agent.returncode != 0

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import re
+import time
 import uuid
 import warnings
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -37,6 +39,10 @@ from megafp8.parallel.parallel_state import ParallelState
 
 Models = nn.Module | Sequence[nn.Module]
 FP8_SCALING_MARK = ".fp8_scaling."  # the ScalingState submodules' buffers (amax histories, scales)
+
+# Seconds rank 0 waits between writing every shard and committing the checkpoint. Only for tests that
+# kill a rank inside that window (the crash-safety guarantee is about exactly this moment).
+PAUSE_BEFORE_COMMIT_ENV = "MEGAFP8_TEST_PAUSE_BEFORE_COMMIT_S"
 
 
 @dataclass
@@ -146,6 +152,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
     def commit() -> None:
         if rank != 0:
             return
+        if os.environ.get(PAUSE_BEFORE_COMMIT_ENV):  # test hook: hold the crash window open (tests/test_training_3d.py)
+            time.sleep(float(os.environ[PAUSE_BEFORE_COMMIT_ENV]))
         files = {name: entry for share in digests for name, entry in share.items()}
         write_manifest(tmp, {"iteration": iteration, "consumed_samples": consumed_samples,
                              "layout": _layout(parallel_state), "args": args_to_dict(args), "files": files,
