@@ -1,0 +1,277 @@
+"""Hugging Face Llama directory <-> megafp8 checkpoint, streamed one tensor (one fused layer tensor) at a time.
+
+HF -> megafp8: every megafp8 parameter becomes a lazy ``ShardedChunks`` whose data DCP asks for only while
+writing it (q/k/v are read and fused then, gate/up concatenated), so peak memory is about one fused tensor.
+The checkpoint is layout-free (global shapes, real vocab), so the TP/PP of the run that loads it is free.
+megafp8 -> HF: the checkpoint is read one layer at a time with DCP (resharded from whatever layout saved it).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from tqdm import tqdm
+
+from megafp8.checkpoint.atomic import iteration_dir, read_tracker
+from megafp8.checkpoint.fp8_export import QUANTIZATION_CONFIG, quantize_blockwise
+from megafp8.checkpoint.hf_files import (ConversionError, HfTensors, ShardedSafetensorsWriter, atomic_output_dir,
+                                         model_config_from_hf_dict, read_hf_config)
+from megafp8.checkpoint.manifest import check_file, read_manifest
+from megafp8.checkpoint.save_load import _single_process_quiet, save_checkpoint
+from megafp8.checkpoint.sharded_tensor import ShardedChunks
+from megafp8.model.config import ModelConfig
+from megafp8.model.hf_mapping import _LAYER_RENAMES, fuse_qkv, hf_llama_config_kwargs, split_qkv
+from megafp8.parallel.parallel_state import ParallelState
+
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer old transformers versions saved
+_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class _LazyChunks(ShardedChunks):
+    """One whole tensor whose values are produced only when DCP writes it (a meta tensor stands in before)."""
+
+    def __init__(self, shape: tuple[int, ...], produce: Callable[[], torch.Tensor]) -> None:
+        super().__init__(shape, [((0,) * len(shape), torch.empty(shape, dtype=torch.float32, device="meta"))])
+        self.produce = produce
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return self.produce()
+
+
+def _hf_layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    h, ffn, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    p = f"model.layers.{i}."
+    return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (config.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (config.num_query_groups * d, h),
+            p + "self_attn.v_proj.weight": (config.num_query_groups * d, h),
+            p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn)}
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HF Llama checkpoint of ``config`` holds, with its shape."""
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+              "model.norm.weight": (config.hidden_size,)}
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for i in range(config.num_layers):
+        shapes.update(_hf_layer_shapes(config, i))
+    return shapes
+
+
+def _megafp8_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """megafp8 parameter name -> the HF tensors it is built from (in fusion order)."""
+    sources = {"embedding.weight": ["model.embed_tokens.weight"], "final_layernorm.weight": ["model.norm.weight"]}
+    if not config.tie_embeddings:
+        sources["output_layer.weight"] = ["lm_head.weight"]
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for src, dst in _LAYER_RENAMES.items():
+            sources[ours + src] = [theirs + dst]
+        sources[ours + "self_attention.linear_qkv.weight"] = [theirs + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        sources[ours + "mlp.linear_fc1.weight"] = [theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"]
+    return sources
+
+
+def training_args(config: ModelConfig) -> dict[str, Any]:
+    """The flags the training entry needs to build this model (saved in the manifest, checked on --load)."""
+    return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "ffn_hidden_size": config.ffn_hidden_size, "num_attention_heads": config.num_attention_heads,
+            "num_query_groups": config.num_query_groups, "max_position_embeddings": config.max_position_embeddings,
+            "norm_epsilon": config.norm_eps, "rotary_base": config.rope_theta, "activation": "swiglu",
+            "untie_embeddings_and_output_weights": not config.tie_embeddings, "init_method_std": config.init_method_std}
+
+
+def training_flags(config: ModelConfig) -> str:
+    """The same as command-line flags for ``megafp8.pretrain`` (vocab: from the tokenizer)."""
+    flags = []
+    for key, value in training_args(config).items():
+        if isinstance(value, bool):
+            flags += [f"--{key.replace('_', '-')}"] if value else []
+        else:
+            flags.append(f"--{key.replace('_', '-')} {value}")
+    return " ".join(flags)
+
+
+def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:
+    """The layout the user means to train at must divide the model (the checkpoint itself is layout-free)."""
+    checks = [("--target-tensor-parallel-size", tp, "num_attention_heads", config.num_attention_heads),
+              ("--target-tensor-parallel-size", tp, "num_key_value_heads", config.num_query_groups),
+              ("--target-tensor-parallel-size", tp, "intermediate_size", config.ffn_hidden_size),
+              ("--target-pipeline-parallel-size", pp, "num_hidden_layers", config.num_layers)]
+    for flag, size, field, value in checks:
+        if size < 1 or value % size:
+            raise ConversionError(f"{flag} {size} does not divide {field} ({value})")
+
+
+def _skeleton(names: list[str]) -> nn.Module:
+    """A module tree with meta parameters under ``names``: what save_checkpoint walks to name the entries."""
+    root = nn.Module()
+    for name in names:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.empty(0, device="meta"), requires_grad=False))
+    return root
+
+
+def hf_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, target_tp: int = 1, target_pp: int = 1,
+                  progress: bool = True) -> ModelConfig:
+    """Convert a HF Llama directory into a megafp8 checkpoint at iteration 0 (weights only, fp32)."""
+    load_dir, save_dir = Path(load_dir), Path(save_dir)
+    config = model_config_from_hf_dict(read_hf_config(load_dir), str(load_dir / "config.json"))
+    check_target_layout(config, target_tp, target_pp)
+    hf = HfTensors(load_dir)
+    try:
+        expected = hf_shapes(config)
+        for name, shape in expected.items():  # headers only: every problem is found before anything is written
+            if hf.shape(name) != shape:
+                raise ConversionError(f"{load_dir}: tensor {name!r} has shape {list(hf.shape(name))}, config.json "
+                                      f"implies {list(shape)}")
+        ignored = {"lm_head.weight"} if config.tie_embeddings else set()
+        unexpected = [n for n in hf.location if n not in expected and n not in ignored
+                      and not n.endswith(_IGNORED_HF_SUFFIXES)]
+        if unexpected:
+            raise ConversionError(f"{load_dir}: unexpected tensors {unexpected[:5]} (an architecture feature "
+                                  "megafp8's Llama does not have)")
+        bar = tqdm(total=len(_megafp8_sources(config)), desc="hf -> megafp8", unit="tensor", disable=not progress)
+
+        def producer(name: str, sources: list[str]) -> Callable[[], torch.Tensor]:
+            def produce() -> torch.Tensor:
+                parts = [hf.get(s, name).float() for s in sources]
+                bar.update(1)
+                if name.endswith("linear_qkv.weight"):
+                    return fuse_qkv(*parts, config)
+                return torch.cat(parts) if len(parts) > 1 else parts[0]
+            return produce
+
+        overrides = {}
+        for name, sources in _megafp8_sources(config).items():
+            shape = (sum(expected[s][0] for s in sources),) + expected[sources[0]][1:]
+            overrides[name] = _LazyChunks(shape, producer(name, sources))
+        with atomic_output_dir(save_dir, "--save-dir") as tmp:
+            save_checkpoint(tmp, 0, model=_skeleton(list(overrides)), parallel_state=ParallelState(),
+                            args=training_args(config), model_overrides=overrides)
+        bar.close()
+    finally:
+        hf.close()
+    return config
+
+
+# ---- megafp8 -> HF ---------------------------------------------------------------------------------
+
+def _checkpoint_path(load_dir: Path, iteration: int | None) -> Path:
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            raise ConversionError(f"--load-dir {load_dir} has no latest_checkpointed_iteration.txt: not a megafp8 "
+                                  "checkpoint directory (or pass --load-iteration)")
+    return iteration_dir(load_dir, iteration)
+
+
+def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> ModelConfig:
+    needed = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "max_position_embeddings", "norm_epsilon", "rotary_base", "untie_embeddings_and_output_weights"]
+    missing = [k for k in needed if k not in args]
+    if missing:
+        raise ConversionError(f"{path}: the manifest's flags lack {missing}; cannot describe the model")
+    if args.get("activation", "swiglu") not in ("swiglu", "smooth_swiglu"):  # Smooth-SwiGLU's scales cancel
+        raise ConversionError(f"{path}: --activation {args['activation']} has no HF Llama equivalent")
+    return ModelConfig(num_layers=args["num_layers"], hidden_size=args["hidden_size"],
+                       ffn_hidden_size=args["ffn_hidden_size"], num_attention_heads=args["num_attention_heads"],
+                       num_query_groups=args["num_query_groups"], vocab_size=vocab_size,
+                       seq_length=min(args.get("seq_length") or 1, args["max_position_embeddings"]),
+                       max_position_embeddings=args["max_position_embeddings"], norm_eps=args["norm_epsilon"],
+                       rope_theta=args["rotary_base"], tie_embeddings=not args["untie_embeddings_and_output_weights"],
+                       init_method_std=args.get("init_method_std", 0.02))
+
+
+class _CheckpointReader:
+    """Full (global) tensors of one committed megafp8 checkpoint, a few names per DCP read."""
+
+    def __init__(self, load_dir: Path, iteration: int | None) -> None:
+        self.path = _checkpoint_path(load_dir, iteration)
+        self.manifest = read_manifest(self.path)
+        problems = [p for name, entry in sorted(self.manifest["files"].items())
+                    if (p := check_file(self.path, name, entry, hash_contents=True))]
+        if problems:
+            raise ConversionError("checkpoint is damaged:\n  " + "\n  ".join(problems))
+        self.metadata = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        state = {}
+        for name in names:
+            meta = self.metadata.get(f"model.{name}")
+            if meta is None:
+                raise ConversionError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+            state[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with _single_process_quiet():
+            dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        return state
+
+
+def _hf_tensors(reader: _CheckpointReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in checkpoint order, one megafp8 layer in memory at a time."""
+    head = reader.read(["embedding.weight", "final_layernorm.weight"]
+                       + ([] if config.tie_embeddings else ["output_layer.weight"]))
+    yield "model.embed_tokens.weight", head["embedding.weight"]
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        layer = reader.read([ours + n for n in (*_LAYER_RENAMES, "self_attention.linear_qkv.weight",
+                                                   "mlp.linear_fc1.weight")])
+        q, k, v = split_qkv(layer[ours + "self_attention.linear_qkv.weight"], config)
+        yield from ((theirs + f"self_attn.{x}_proj.weight", t) for x, t in zip("qkv", (q, k, v)))
+        for src, dst in _LAYER_RENAMES.items():
+            yield theirs + dst, layer[ours + src]
+        gate, up = layer[ours + "mlp.linear_fc1.weight"].chunk(2)
+        yield theirs + "mlp.gate_proj.weight", gate
+        yield theirs + "mlp.up_proj.weight", up
+    yield "model.norm.weight", head["final_layernorm.weight"]
+    if not config.tie_embeddings:
+        yield "lm_head.weight", head["output_layer.weight"]
+
+
+def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: str = "hf", save_dtype: str = "bf16",
+                  max_shard_bytes: int = 5 * 2**30, iteration: int | None = None,
+                  progress: bool = True) -> ModelConfig:
+    """Convert a megafp8 checkpoint (any TP/PP/DP layout) into a HF Llama directory: ``save_format`` "hf"
+    (``save_dtype`` bf16|fp32) or "hf-fp8" (128x128 block E4M3 linear weights, everything else bf16)."""
+    if save_dtype not in SAVE_DTYPES:
+        raise ConversionError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {save_dtype!r}")
+    reader = _CheckpointReader(Path(load_dir), iteration)
+    embedding = reader.metadata.get("model.embedding.weight")
+    if embedding is None:
+        raise ConversionError(f"{reader.path}: tensor 'embedding.weight' is missing from the checkpoint")
+    config = _config_from_manifest(reader.manifest.get("args", {}), embedding.size[0], reader.path)
+    dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" else save_dtype]
+    expected = hf_shapes(config)
+    hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                 "torch_dtype": str(dtype).removeprefix("torch.")}
+    if save_format == "hf-fp8":
+        hf_config["quantization_config"] = QUANTIZATION_CONFIG
+    with atomic_output_dir(Path(save_dir), "--save-dir") as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        for name, tensor in tqdm(_hf_tensors(reader, config), total=len(expected), desc=f"megafp8 -> {save_format}",
+                                 unit="tensor", disable=not progress):
+            if tuple(tensor.shape) != expected[name]:
+                raise ConversionError(f"{reader.path}: {name} has shape {list(tensor.shape)}, the saved flags "
+                                      f"imply {list(expected[name])}")
+            if save_format == "hf-fp8" and name.split(".")[-2] in _FP8_LINEARS:
+                weight, scale_inv = quantize_blockwise(tensor)
+                writer.add(name, weight)
+                writer.add(name + "_scale_inv", scale_inv)
+            else:
+                writer.add(name, tensor.to(dtype))
+        writer.finish()
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    return config

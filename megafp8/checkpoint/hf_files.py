@@ -1,0 +1,181 @@
+"""Hugging Face Llama directories on disk: config.json validation, a lazy reader of (sharded) safetensors,
+a writer that shards past a size, and the temporary-directory-then-rename commit conversions use."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from megafp8.checkpoint.atomic import fsync_path
+from megafp8.checkpoint.errors import CheckpointError
+from megafp8.model.config import ModelConfig
+from megafp8.model.hf_mapping import model_config_from_hf
+
+INDEX_FILE = "model.safetensors.index.json"
+# config.json fields whose non-default value changes the math in a way megafp8's Llama does not implement.
+_UNSUPPORTED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
+                "rope_scaling": (None,), "sliding_window": (None,)}
+_LLAMA_DEFAULTS = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.02,
+                       max_position_embeddings=2048)
+
+
+class ConversionError(CheckpointError):
+    """A conversion input (file, config field, flag) megafp8 cannot convert; the message names it."""
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConversionError(f"{path} is missing: --load-dir must be a Hugging Face model directory") from None
+    except ValueError as e:
+        raise ConversionError(f"{path} is not valid JSON ({e})") from None
+
+
+def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelConfig:
+    """The ModelConfig of a Llama config.json; any architecture megafp8 cannot reproduce is a ConversionError."""
+    if config.get("model_type") != "llama":
+        raise ConversionError(f"{source}: model_type {config.get('model_type')!r} is not supported "
+                              "(megafp8 converts Llama checkpoints: model_type 'llama')")
+    problems = [f"{key}={config[key]!r}" for key, allowed in _UNSUPPORTED.items()
+                if key in config and config[key] not in allowed]
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.rope_type={rope['rope_type']!r}")
+    heads = config.get("num_attention_heads")
+    if config.get("head_dim") not in (None, config["hidden_size"] // heads):
+        problems.append(f"head_dim={config['head_dim']} (megafp8 uses hidden_size / num_attention_heads)")
+    if problems:
+        raise ConversionError(f"{source}: unsupported config field(s) {', '.join(problems)}: megafp8's Llama has "
+                              "SiLU-gated MLPs, no biases, full attention and unscaled RoPE (Llama-3.1 rope_scaling "
+                              "is not implemented)")
+    fields = {**_LLAMA_DEFAULTS, "num_key_value_heads": heads, **config}
+    try:
+        return model_config_from_hf(SimpleNamespace(**fields))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ConversionError(f"{source}: cannot read the architecture ({type(e).__name__}: {e})") from None
+
+
+class HfTensors:
+    """Every tensor of a Hugging Face directory by name, read one at a time from its safetensors file."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        index = directory / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ConversionError(f"{index} is corrupt ({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files, weight_map = sorted(p.name for p in directory.glob("*.safetensors")), None
+            if not files:
+                raise ConversionError(f"{directory} has no *.safetensors files (PyTorch .bin checkpoints: "
+                                      "re-save them with save_pretrained(safe_serialization=True))")
+        self._handles = {}
+        self.location: dict[str, str] = {}
+        self._stack = contextlib.ExitStack()
+        for name in files:
+            path = directory / name
+            if not path.exists():
+                raise ConversionError(f"{path} is missing (listed in {INDEX_FILE})")
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise ConversionError(f"{path} is truncated or not a safetensors file ({e})") from None
+            self._handles[name] = handle
+            for key in handle.keys():
+                if weight_map is None or weight_map.get(key) == name:
+                    self.location[key] = name
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def _handle(self, name: str, needed_by: str):
+        if name not in self.location:
+            raise ConversionError(f"{self.directory}: tensor {name!r} is missing (needed for {needed_by})")
+        return self._handles[self.location[name]]
+
+    def shape(self, name: str, needed_by: str = "the model") -> tuple[int, ...]:
+        return tuple(self._handle(name, needed_by).get_slice(name).get_shape())
+
+    def get(self, name: str, needed_by: str = "the model") -> torch.Tensor:
+        try:
+            return self._handle(name, needed_by).get_tensor(name)
+        except SafetensorError as e:
+            raise ConversionError(f"{self.directory / self.location[name]}: cannot read {name!r} ({e})") from None
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors as they come into ``model-XXXXX-of-YYYYY.safetensors`` files of at most ``max_shard_bytes``
+    (one file ``model.safetensors`` when everything fits), plus the index Hugging Face loaders read."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int) -> None:
+        self.directory, self.max_shard_bytes = directory, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.directory / f"shard-{len(self.shards):05d}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Name the shards (their count is known only now) and write the index; returns the file names."""
+        if self.pending:
+            self._flush()
+        count = len(self.shards)
+        names = ["model.safetensors"] if count == 1 else \
+            [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, name in enumerate(names):
+            os.replace(self.directory / f"shard-{i:05d}.tmp", self.directory / name)
+        if count > 1:
+            weight_map = {key: names[i] for i, keys in enumerate(self.shards) for key in keys}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+@contextlib.contextmanager
+def atomic_output_dir(target: Path, flag: str) -> Iterator[Path]:
+    """A temporary sibling directory that becomes ``target`` by one rename when the body succeeds; on any
+    error it is removed, so nothing appears under ``target``. ``target`` must not exist (or be empty)."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConversionError(f"{flag} {target} already exists and is not empty; choose a new directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                fsync_path(path)
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+        fsync_path(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,67 @@
+"""Convert checkpoints: Hugging Face Llama <-> megafp8, and megafp8 -> block-FP8 Hugging Face (see docs/conversion.md)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megafp8.checkpoint.errors import CheckpointError  # noqa: E402
+
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '200MiB', '1000' -> bytes."""
+    upper = text.strip().upper()
+    for unit, factor in sorted(SIZE_UNITS.items(), key=lambda kv: -len(kv[0])):
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--load-format", required=True, choices=["hf", "megafp8", "megatron"])
+    p.add_argument("--save-format", required=True, choices=["megafp8", "hf", "hf-fp8"])
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="must not exist (or be empty); written atomically")
+    p.add_argument("--load-iteration", type=int, default=None, help="megafp8: default the tracker's")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                   help="hf->megafp8: checked to divide the model (the checkpoint reshards on load at any TP)")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="as above, for PP")
+    p.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16", help="megafp8->hf")
+    p.add_argument("--max-shard-size", default="5GB", help="megafp8->hf: start a new safetensors file past this")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megafp8.checkpoint.convert_hf import hf_to_megafp8, megafp8_to_hf, training_flags  # noqa: PLC0415
+    try:
+        if args.load_format == "hf" and args.save_format == "megafp8":
+            config = hf_to_megafp8(args.load_dir, args.save_dir, target_tp=args.target_tensor_parallel_size,
+                                   target_pp=args.target_pipeline_parallel_size, progress=not args.no_progress)
+            print(f"wrote {args.save_dir} (iteration 0). Train from it with:\n  python -m megafp8.pretrain "
+                  f"--load {args.save_dir} --finetune {training_flags(config)} --tokenizer-... (vocab "
+                  f"{config.vocab_size})")
+        elif args.load_format == "megafp8" and args.save_format in ("hf", "hf-fp8"):
+            megafp8_to_hf(args.load_dir, args.save_dir, save_format=args.save_format, save_dtype=args.save_dtype,
+                          max_shard_bytes=parse_size(args.max_shard_size), iteration=args.load_iteration,
+                          progress=not args.no_progress)
+            print(f"wrote {args.save_dir}")
+        elif args.load_format == "megatron":
+            raise CheckpointError("--load-format megatron is not implemented yet (see docs/conversion.md)")
+        else:
+            raise CheckpointError(f"--load-format {args.load_format} --save-format {args.save_format} is not a "
+                                  "supported pair: hf->megafp8, megafp8->hf, megafp8->hf-fp8")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
