@@ -48,10 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, parallel_state, config)
     initialize_distributed(timeout_minutes=args.distributed_timeout_minutes)
     status = run(args, parallel_state, config)  # an exception propagates: torchrun then stops the other ranks
-    # Tear the groups down together: a rank that exits with gloo threads alive aborts (SIGABRT).
+    # Tear the groups down together, then leave at once: interpreter teardown can still abort (SIGABRT,
+    # "terminate called without an active exception") on threads gloo left behind, failing a finished job.
     dist.barrier()
     dist.destroy_process_group()
-    return status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
