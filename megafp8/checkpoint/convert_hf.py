@@ -18,7 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from megafp8.checkpoint.atomic import iteration_dir, read_tracker
-from megafp8.checkpoint.fp8_export import QUANTIZATION_CONFIG, quantize_blockwise
+from megafp8.checkpoint.fp8_export import BLOCK, QUANTIZATION_CONFIG, quantize_blockwise
 from megafp8.checkpoint.hf_files import (ConversionError, HfTensors, ShardedSafetensorsWriter, atomic_output_dir,
                                          model_config_from_hf_dict, read_hf_config)
 from megafp8.checkpoint.manifest import check_file, read_manifest
@@ -220,6 +220,17 @@ class _CheckpointReader:
         return state
 
 
+def _hf_order(config: ModelConfig) -> list[str]:
+    """The order ``_hf_tensors`` yields (the streaming writer plans its files from it)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        names += [p + dst for dst in _LAYER_RENAMES.values()]
+        names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    return names + ["model.norm.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
+
+
 def _hf_tensors(reader: _CheckpointReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) in checkpoint order, one megafp8 layer in memory at a time."""
     head = reader.read(["embedding.weight", "final_layernorm.weight"]
@@ -259,14 +270,23 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
                  "torch_dtype": str(dtype).removeprefix("torch.")}
     if save_format == "hf-fp8":
         hf_config["quantization_config"] = QUANTIZATION_CONFIG
+    fp8 = save_format == "hf-fp8"
+    plan = []
+    for name in _hf_order(config):
+        shape = expected[name]
+        if fp8 and name.split(".")[-2] in _FP8_LINEARS:
+            plan += [(name, shape, torch.float8_e4m3fn),
+                     (name + "_scale_inv", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), torch.float32)]
+        else:
+            plan.append((name, shape, dtype))
     with atomic_output_dir(Path(save_dir), "--save-dir") as tmp:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        writer = ShardedSafetensorsWriter(tmp, plan, max_shard_bytes)
         for name, tensor in tqdm(_hf_tensors(reader, config), total=len(expected), desc=f"megafp8 -> {save_format}",
                                  unit="tensor", disable=not progress):
             if tuple(tensor.shape) != expected[name]:
                 raise ConversionError(f"{reader.path}: {name} has shape {list(tensor.shape)}, the saved flags "
                                       f"imply {list(expected[name])}")
-            if save_format == "hf-fp8" and name.split(".")[-2] in _FP8_LINEARS:
+            if fp8 and name.split(".")[-2] in _FP8_LINEARS:
                 weight, scale_inv = quantize_blockwise(tensor)
                 writer.add(name, weight)
                 writer.add(name + "_scale_inv", scale_inv)

@@ -1,11 +1,13 @@
 """Hugging Face Llama directories on disk: config.json validation, a lazy reader of (sharded) safetensors,
-a writer that shards past a size, and the temporary-directory-then-rename commit conversions use."""
+a streaming writer that shards past a size, and the temporary-directory-then-rename commit conversions use."""
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -14,7 +16,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from megafp8.checkpoint.atomic import fsync_path
 from megafp8.checkpoint.errors import CheckpointError
@@ -118,44 +119,74 @@ class HfTensors:
             raise ConversionError(f"{self.directory / self.location[name]}: cannot read {name!r} ({e})") from None
 
 
-class ShardedSafetensorsWriter:
-    """Writes tensors as they come into ``model-XXXXX-of-YYYYY.safetensors`` files of at most ``max_shard_bytes``
-    (one file ``model.safetensors`` when everything fits), plus the index Hugging Face loaders read."""
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.float8_e4m3fn: "F8_E4M3"}
 
-    def __init__(self, directory: Path, max_shard_bytes: int) -> None:
-        self.directory, self.max_shard_bytes = directory, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.total_bytes = 0
+
+class ShardedSafetensorsWriter:
+    """Streams tensors straight into ``model-XXXXX-of-YYYYY.safetensors`` files of at most ``max_shard_bytes``
+    (one ``model.safetensors`` when everything fits) plus the index Hugging Face loaders read. Every name,
+    shape and dtype is known up front, so each file's header is written first and a tensor's bytes go to
+    disk as soon as it arrives: memory holds one tensor, not one shard."""
+
+    def __init__(self, directory: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int) -> None:
+        self.directory, self.entries = directory, entries
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+        size = 0
+        for name, shape, dtype in entries:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, shape, dtype))
+            size += nbytes
+        count = len(shards)
+        self.names = ["model.safetensors"] if count == 1 else \
+            [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self.shards = shards
+        self.file_of = {name: i for i, shard in enumerate(shards) for name, _, _ in shard}
+        self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
+        self._next = 0  # index into entries
+        self._file = None
+        self._shard = -1
+
+    def _open(self, shard: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in self.shards[shard]:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors itself writes it
+        self._file = open(self.directory / self.names[shard], "wb")
+        self._file.write(struct.pack("<Q", len(text)) + text)
+        self._shard = shard
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        save_file(self.pending, str(self.directory / f"shard-{len(self.shards):05d}.tmp"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        expected, shape, dtype = self.entries[self._next]
+        if (name, tuple(tensor.shape), tensor.dtype) != (expected, shape, dtype):
+            raise ValueError(f"safetensors writer: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned "
+                             f"{expected} {shape} {dtype}")
+        if self.file_of[name] != self._shard:
+            self._open(self.file_of[name])
+        self._file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self._next += 1
 
     def finish(self) -> list[str]:
-        """Name the shards (their count is known only now) and write the index; returns the file names."""
-        if self.pending:
-            self._flush()
-        count = len(self.shards)
-        names = ["model.safetensors"] if count == 1 else \
-            [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        for i, name in enumerate(names):
-            os.replace(self.directory / f"shard-{i:05d}.tmp", self.directory / name)
-        if count > 1:
-            weight_map = {key: names[i] for i, keys in enumerate(self.shards) for key in keys}
+        """Close the last file and write the index (when sharded); returns the file names."""
+        if self._next != len(self.entries):
+            raise ValueError(f"safetensors writer: {len(self.entries) - self._next} planned tensors never came")
+        if self._file is not None:
+            self._file.close()
+        if len(self.names) > 1:
+            weight_map = {name: self.names[i] for name, i in self.file_of.items()}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return names
+        return self.names
 
 
 @contextlib.contextmanager
