@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megafp8.checkpoint.convert_hf import hf_to_megafp8, megafp8_to_hf, training_flags  # noqa: PLC0415
+    from megafp8.checkpoint.hf_files import use_mmap_for_large_allocations  # noqa: PLC0415
+    use_mmap_for_large_allocations()  # peak memory: about one tensor, independent of the model's size
     try:
         if args.load_format == "hf" and args.save_format == "megafp8":
             config = hf_to_megafp8(args.load_dir, args.save_dir, target_tp=args.target_tensor_parallel_size,

@@ -132,39 +132,47 @@ def hf_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, target_tp: int 
     config = model_config_from_hf_dict(read_hf_config(load_dir), str(load_dir / "config.json"))
     check_target_layout(config, target_tp, target_pp)
     hf = HfTensors(load_dir)
-    try:
-        expected = hf_shapes(config)
-        for name, shape in expected.items():  # headers only: every problem is found before anything is written
-            if hf.shape(name) != shape:
-                raise ConversionError(f"{load_dir}: tensor {name!r} has shape {list(hf.shape(name))}, config.json "
-                                      f"implies {list(shape)}")
-        ignored = {"lm_head.weight"} if config.tie_embeddings else set()
-        unexpected = [n for n in hf.location if n not in expected and n not in ignored
-                      and not n.endswith(_IGNORED_HF_SUFFIXES)]
-        if unexpected:
-            raise ConversionError(f"{load_dir}: unexpected tensors {unexpected[:5]} (an architecture feature "
-                                  "megafp8's Llama does not have)")
-        bar = tqdm(total=len(_megafp8_sources(config)), desc="hf -> megafp8", unit="tensor", disable=not progress)
+    expected = hf_shapes(config)
+    for name, shape in expected.items():  # headers only: every problem is found before anything is written
+        if hf.shape(name) != shape:
+            raise ConversionError(f"{load_dir}: tensor {name!r} has shape {list(hf.shape(name))}, config.json "
+                                  f"implies {list(shape)}")
+    ignored = {"lm_head.weight"} if config.tie_embeddings else set()
+    unexpected = [n for n in hf.location if n not in expected and n not in ignored
+                  and not n.endswith(_IGNORED_HF_SUFFIXES)]
+    if unexpected:
+        raise ConversionError(f"{load_dir}: unexpected tensors {unexpected[:5]} (an architecture feature "
+                              "megafp8's Llama does not have)")
+    bar = tqdm(total=len(_megafp8_sources(config)), desc="hf -> megafp8", unit="tensor", disable=not progress)
 
-        def producer(name: str, sources: list[str]) -> Callable[[], torch.Tensor]:
-            def produce() -> torch.Tensor:
-                parts = [hf.get(s, name).float() for s in sources]
-                bar.update(1)
-                if name.endswith("linear_qkv.weight"):
-                    return fuse_qkv(*parts, config)
-                return torch.cat(parts) if len(parts) > 1 else parts[0]
-            return produce
+    written: list[torch.Tensor] = []  # the tensor DCP wrote last
 
-        overrides = {}
-        for name, sources in _megafp8_sources(config).items():
-            shape = (sum(expected[s][0] for s in sources),) + expected[sources[0]][1:]
-            overrides[name] = _LazyChunks(shape, producer(name, sources))
-        with atomic_output_dir(save_dir, "--save-dir") as tmp:
-            save_checkpoint(tmp, 0, model=_skeleton(list(overrides)), parallel_state=ParallelState(),
-                            args=training_args(config), model_overrides=overrides)
-        bar.close()
-    finally:
-        hf.close()
+    def producer(name: str, sources: list[str]) -> Callable[[], torch.Tensor]:
+        def produce() -> torch.Tensor:
+            # DCP keeps a reference to every tensor it wrote until its file closes (the whole model);
+            # with per_thread_copy_ahead=0 it writes each before asking for the next, so the previous
+            # one's memory can be released here.
+            while written:
+                written.pop().untyped_storage().resize_(0)
+            parts = [hf.get(s, name).float() for s in sources]
+            bar.update(1)
+            if name.endswith("linear_qkv.weight"):
+                tensor = fuse_qkv(*parts, config)
+            else:
+                tensor = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            written.append(tensor)
+            return tensor
+        return produce
+
+    overrides = {}
+    for name, sources in _megafp8_sources(config).items():
+        shape = (sum(expected[s][0] for s in sources),) + expected[sources[0]][1:]
+        overrides[name] = _LazyChunks(shape, producer(name, sources))
+    with atomic_output_dir(save_dir, "--save-dir") as tmp:
+        save_checkpoint(tmp, 0, model=_skeleton(list(overrides)), parallel_state=ParallelState(),
+                        args=training_args(config), model_overrides=overrides,
+                        writer_options={"thread_count": 1, "per_thread_copy_ahead": 0})
+    bar.close()
     return config
 
 
@@ -197,7 +205,8 @@ def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> 
 
 
 class _CheckpointReader:
-    """Full (global) tensors of one committed megafp8 checkpoint, a few names per DCP read."""
+    """Full (global) tensors of one committed megafp8 checkpoint, read by name with DCP (resharded from
+    whatever layout wrote it)."""
 
     def __init__(self, load_dir: Path, iteration: int | None) -> None:
         self.path = _checkpoint_path(load_dir, iteration)
@@ -232,24 +241,25 @@ def _hf_order(config: ModelConfig) -> list[str]:
 
 
 def _hf_tensors(reader: _CheckpointReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) in checkpoint order, one megafp8 layer in memory at a time."""
-    head = reader.read(["embedding.weight", "final_layernorm.weight"]
-                       + ([] if config.tie_embeddings else ["output_layer.weight"]))
-    yield "model.embed_tokens.weight", head["embedding.weight"]
+    """(HF name, tensor) in ``_hf_order``, one megafp8 tensor in memory at a time."""
+    def one(name: str) -> torch.Tensor:
+        return reader.read([name])[name]
+
+    yield "model.embed_tokens.weight", one("embedding.weight")
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        layer = reader.read([ours + n for n in (*_LAYER_RENAMES, "self_attention.linear_qkv.weight",
-                                                   "mlp.linear_fc1.weight")])
-        q, k, v = split_qkv(layer[ours + "self_attention.linear_qkv.weight"], config)
+        q, k, v = split_qkv(one(ours + "self_attention.linear_qkv.weight"), config)
         yield from ((theirs + f"self_attn.{x}_proj.weight", t) for x, t in zip("qkv", (q, k, v)))
+        del q, k, v
         for src, dst in _LAYER_RENAMES.items():
-            yield theirs + dst, layer[ours + src]
-        gate, up = layer[ours + "mlp.linear_fc1.weight"].chunk(2)
+            yield theirs + dst, one(ours + src)
+        gate, up = one(ours + "mlp.linear_fc1.weight").chunk(2)
         yield theirs + "mlp.gate_proj.weight", gate
         yield theirs + "mlp.up_proj.weight", up
-    yield "model.norm.weight", head["final_layernorm.weight"]
+        del gate, up
+    yield "model.norm.weight", one("final_layernorm.weight")
     if not config.tie_embeddings:
-        yield "lm_head.weight", head["output_layer.weight"]
+        yield "lm_head.weight", one("output_layer.weight")
 
 
 def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: str = "hf", save_dtype: str = "bf16",

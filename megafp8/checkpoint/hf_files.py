@@ -3,6 +3,7 @@ a streaming writer that shards past a size, and the temporary-directory-then-ren
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -15,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from megafp8.checkpoint.atomic import fsync_path
 from megafp8.checkpoint.errors import CheckpointError
@@ -68,6 +68,19 @@ def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelCo
         raise ConversionError(f"{source}: cannot read the architecture ({type(e).__name__}: {e})") from None
 
 
+def use_mmap_for_large_allocations(threshold: int = 1 << 20) -> None:
+    """Make glibc serve every allocation over ``threshold`` bytes by mmap (returned to the OS on free).
+
+    Its default threshold grows with each large free (up to 32 MiB), after which the converter's
+    per-tensor buffers come from the heap and fragment it: peak RSS then grows with the model although
+    only one tensor is alive at a time (measured: 224 MiB vs 18 MiB for a 107M-parameter model). A no-op
+    where the C library has no mallopt."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD; a fixed value disables the growth
+    except (AttributeError, OSError):
+        pass
+
+
 class HfTensors:
     """Every tensor of a Hugging Face directory by name, read one at a time from its safetensors file."""
 
@@ -85,42 +98,64 @@ class HfTensors:
             if not files:
                 raise ConversionError(f"{directory} has no *.safetensors files (PyTorch .bin checkpoints: "
                                       "re-save them with save_pretrained(safe_serialization=True))")
-        self._handles = {}
         self.location: dict[str, str] = {}
-        self._stack = contextlib.ExitStack()
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._data_start: dict[str, int] = {}
         for name in files:
-            path = directory / name
-            if not path.exists():
-                raise ConversionError(f"{path} is missing (listed in {INDEX_FILE})")
-            try:
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except (SafetensorError, OSError) as e:
-                raise ConversionError(f"{path} is truncated or not a safetensors file ({e})") from None
-            self._handles[name] = handle
-            for key in handle.keys():
-                if weight_map is None or weight_map.get(key) == name:
+            header, self._data_start[name] = _read_header(directory / name)
+            for key, entry in header.items():
+                if key != "__metadata__" and (weight_map is None or weight_map.get(key) == name):
                     self.location[key] = name
+                    self._entries[key] = entry
 
-    def close(self) -> None:
-        self._stack.close()
-
-    def _handle(self, name: str, needed_by: str):
+    def _entry(self, name: str, needed_by: str) -> dict[str, Any]:
         if name not in self.location:
             raise ConversionError(f"{self.directory}: tensor {name!r} is missing (needed for {needed_by})")
-        return self._handles[self.location[name]]
+        return self._entries[name]
 
     def shape(self, name: str, needed_by: str = "the model") -> tuple[int, ...]:
-        return tuple(self._handle(name, needed_by).get_slice(name).get_shape())
+        return tuple(self._entry(name, needed_by)["shape"])
 
     def get(self, name: str, needed_by: str = "the model") -> torch.Tensor:
-        try:
-            return self._handle(name, needed_by).get_tensor(name)
-        except SafetensorError as e:
-            raise ConversionError(f"{self.directory / self.location[name]}: cannot read {name!r} ({e})") from None
+        """The tensor, read with plain file reads (no mmap: its pages would count as this process's memory)."""
+        entry, file = self._entry(name, needed_by), self.location[name]
+        begin, end = entry["data_offsets"]
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ConversionError(f"{self.directory / file}: {name!r} has dtype {entry['dtype']}, not a float type")
+        if end == begin:
+            return torch.empty(entry["shape"], dtype=dtype)
+        buffer = bytearray(end - begin)
+        with open(self.directory / file, "rb") as f:
+            f.seek(self._data_start[file] + begin)
+            if f.readinto(buffer) != len(buffer):
+                raise ConversionError(f"{self.directory / file} is truncated: {name!r} ends past the end of the file")
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header and the offset its data starts at; checks the file holds all the data."""
+    if not path.exists():
+        raise ConversionError(f"{path} is missing (listed in {INDEX_FILE})")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConversionError(f"{path} is truncated or not a safetensors file ({e})") from None
+    if 8 + length + max(ends, default=0) > size:
+        raise ConversionError(f"{path} is truncated: its header lists {8 + length + max(ends)} bytes, the file has "
+                              f"{size}")
+    return header, 8 + length
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                       torch.float8_e4m3fn: "F8_E4M3"}
+                       torch.float8_e4m3fn: "F8_E4M3", torch.float64: "F64"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
 class ShardedSafetensorsWriter:

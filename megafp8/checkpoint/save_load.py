@@ -106,13 +106,16 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
                     optimizer_state: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                     args: argparse.Namespace | Mapping[str, Any] | None = None, consumed_samples: int = 0,
                     rng_tracker: Any | None = None, saturation_guard: Any | None = None,
-                    keep_last: int | None = None, model_overrides: Mapping[str, ShardedChunks] | None = None) -> Path:
+                    keep_last: int | None = None, model_overrides: Mapping[str, ShardedChunks] | None = None,
+                    writer_options: Mapping[str, Any] | None = None) -> Path:
     """Write ``<save_dir>/iter_{iteration:07d}`` atomically and point the tracker at it. Call on every rank.
 
     ``optimizer_state``: nested dict; ``ShardedChunks`` leaves are sharded (global offsets), plain tensors
     and python values replicated (saved once). ``extra``: replicated python state (identical on every
     rank). ``keep_last``: afterwards delete all but the newest N committed checkpoints. ``model_overrides``:
     see ``model_checkpoint_state`` (parameters whose values live elsewhere, e.g. ZeRO master weights).
+    ``writer_options``: extra ``dcp.FileSystemWriter`` arguments (the converter passes
+    ``per_thread_copy_ahead=0`` so DCP asks for one tensor at a time and writes it before the next).
     Returns the committed directory. Raises CheckpointError (on every rank) if any rank fails."""
     if iteration < 0:
         raise CheckpointError(f"save_checkpoint: iteration must be >= 0, got {iteration}")
@@ -138,7 +141,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
     state = run_agreed(prepare, f"preparing checkpoint {final}")
     try:
         with _single_process_quiet():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=ShardedSavePlanner(),
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, **(writer_options or {})), planner=ShardedSavePlanner(),
                      no_dist=size == 1)
     except (Exception, dcp.CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
         raise CheckpointError(f"writing checkpoint {final} failed: {_summarize(e)}") from None
