@@ -7,6 +7,7 @@ megafp8 -> HF: the checkpoint is read one layer at a time with DCP (resharded fr
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -143,37 +144,46 @@ def hf_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, target_tp: int 
     if unexpected:
         raise ConversionError(f"{load_dir}: unexpected tensors {unexpected[:5]} (an architecture feature "
                               "megafp8's Llama does not have)")
-    bar = tqdm(total=len(_megafp8_sources(config)), desc="hf -> megafp8", unit="tensor", disable=not progress)
+    def build(name: str, sources: list[str]) -> torch.Tensor:
+        parts = [hf.get(s, name).float() for s in sources]
+        if name.endswith("linear_qkv.weight"):
+            return fuse_qkv(*parts, config)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    tensors = {name: ((sum(expected[s][0] for s in sources),) + expected[sources[0]][1:],
+                      functools.partial(build, name, sources))
+               for name, sources in _megafp8_sources(config).items()}
+    write_streamed_checkpoint(save_dir, config, tensors, "hf -> megafp8", progress)
+    return config
+
+
+def write_streamed_checkpoint(save_dir: Path, config: ModelConfig,
+                              tensors: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]],
+                              description: str, progress: bool) -> None:
+    """A megafp8 checkpoint at iteration 0 whose parameters ``{name: (global shape, build)}`` are built one at
+    a time while DCP writes them, committed atomically under ``save_dir``."""
+    bar = tqdm(total=len(tensors), desc=description, unit="tensor", disable=not progress)
     written: list[torch.Tensor] = []  # the tensor DCP wrote last
 
-    def producer(name: str, sources: list[str]) -> Callable[[], torch.Tensor]:
+    def producer(build: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def produce() -> torch.Tensor:
             # DCP keeps a reference to every tensor it wrote until its file closes (the whole model);
             # with per_thread_copy_ahead=0 it writes each before asking for the next, so the previous
-            # one's memory can be released here.
+            # one's memory can be released here (on a private copy: the source may be shared or mmapped).
             while written:
                 written.pop().untyped_storage().resize_(0)
-            parts = [hf.get(s, name).float() for s in sources]
-            bar.update(1)
-            if name.endswith("linear_qkv.weight"):
-                tensor = fuse_qkv(*parts, config)
-            else:
-                tensor = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            tensor = build().to(torch.float32, copy=True).contiguous()
             written.append(tensor)
+            bar.update(1)
             return tensor
         return produce
 
-    overrides = {}
-    for name, sources in _megafp8_sources(config).items():
-        shape = (sum(expected[s][0] for s in sources),) + expected[sources[0]][1:]
-        overrides[name] = _LazyChunks(shape, producer(name, sources))
+    overrides = {name: _LazyChunks(shape, producer(build)) for name, (shape, build) in tensors.items()}
     with atomic_output_dir(save_dir, "--save-dir") as tmp:
         save_checkpoint(tmp, 0, model=_skeleton(list(overrides)), parallel_state=ParallelState(),
                         args=training_args(config), model_overrides=overrides,
                         writer_options={"thread_count": 1, "per_thread_copy_ahead": 0})
     bar.close()
-    return config
 
 
 # ---- megafp8 -> HF ---------------------------------------------------------------------------------
