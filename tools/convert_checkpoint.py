@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-format", required=True, choices=["megafp8", "hf", "hf-fp8"])
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="must not exist (or be empty); written atomically")
-    p.add_argument("--load-iteration", type=int, default=None, help="megafp8: default the tracker's")
+    p.add_argument("--load-iteration", type=int, default=None, help="megafp8/megatron: default the tracker's")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1,
                    help="hf->megafp8: checked to divide the model (the checkpoint reshards on load at any TP)")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="as above, for PP")
@@ -54,11 +54,16 @@ def main(argv: list[str] | None = None) -> int:
                           max_shard_bytes=parse_size(args.max_shard_size), iteration=args.load_iteration,
                           progress=not args.no_progress)
             print(f"wrote {args.save_dir}")
-        elif args.load_format == "megatron":
-            raise CheckpointError("--load-format megatron is not implemented yet (see docs/conversion.md)")
+        elif args.load_format == "megatron" and args.save_format == "megafp8":
+            from megafp8.checkpoint.convert_megatron import megatron_to_megafp8  # noqa: PLC0415
+            config = megatron_to_megafp8(args.load_dir, args.save_dir, iteration=args.load_iteration,
+                                         target_tp=args.target_tensor_parallel_size,
+                                         target_pp=args.target_pipeline_parallel_size, progress=not args.no_progress)
+            print(f"wrote {args.save_dir} (iteration 0). Train from it with --load {args.save_dir} --finetune "
+                  f"{training_flags(config)} (vocab {config.vocab_size})")
         else:
             raise CheckpointError(f"--load-format {args.load_format} --save-format {args.save_format} is not a "
-                                  "supported pair: hf->megafp8, megafp8->hf, megafp8->hf-fp8")
+                                  "supported pair: hf->megafp8, megatron->megafp8, megafp8->hf, megafp8->hf-fp8")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
