@@ -145,7 +145,8 @@ def test_hf_fp8_export_dequantizes_to_the_weights(tmp_path):
         linears += 1
         scale_inv = tensors[name + "_scale_inv"]
         assert stored.dtype == torch.float8_e4m3fn and stored.shape == weight.shape
-        assert scale_inv.dtype == torch.float32 and scale_inv.shape == (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
+        blocks = (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
+        assert scale_inv.dtype == torch.float32 and scale_inv.shape == blocks
         assert _within_e4m3_error(dequantize_blockwise(stored, scale_inv), weight, scale_inv), name
         assert rel_err(dequantize_blockwise(stored, scale_inv), weight) < 0.07
     assert linears == 7

@@ -28,7 +28,8 @@ def _save(root: Path, tp: int, pp: int, model: dict, staged: bool = False, **cha
     rank_dir = root / "iter_0000010" / (f"mp_rank_{tp:02d}_{pp:03d}" if staged else f"mp_rank_{tp:02d}")
     rank_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(**{**ARGS, **changes})
-    torch.save({"model": model, "args": args, "iteration": 10, "checkpoint_version": 3.0}, rank_dir / "model_optim_rng.pt")
+    torch.save({"model": model, "args": args, "iteration": 10, "checkpoint_version": 3.0},
+               rank_dir / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text("10")
 
 
@@ -84,7 +85,8 @@ def _shard_tp2_pp2(state: dict, root: Path) -> None:
 
 def test_megatron_checkpoints_convert(tmp_path):
     run_distributed(_megatron_core_body, world_size=1, args=(str(tmp_path),), timeout_s=300)
-    state = torch.load(tmp_path / "tp1" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    rank_file = tmp_path / "tp1" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(rank_file, weights_only=False)["model"]
     result = convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp1",
                      "--save-dir", tmp_path / "m8")
     assert result.returncode == 0, result.stderr

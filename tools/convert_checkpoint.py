@@ -1,4 +1,4 @@
-"""Convert checkpoints: Hugging Face Llama <-> megafp8, and megafp8 -> block-FP8 Hugging Face (see docs/conversion.md)."""
+"""Convert checkpoints: HF Llama <-> megafp8, Megatron-LM -> megafp8, megafp8 -> block-FP8 HF (docs/conversion.md)."""
 from __future__ import annotations
 
 import argparse

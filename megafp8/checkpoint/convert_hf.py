@@ -53,7 +53,8 @@ def _hf_layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (config.num_query_groups * d, h),
             p + "self_attn.v_proj.weight": (config.num_query_groups * d, h),
             p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn)}
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn)}
 
 
 def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

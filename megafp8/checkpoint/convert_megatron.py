@@ -88,7 +88,8 @@ def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration
         try:  # a Megatron checkpoint pickles its argparse Namespace: load only files you trust
             states[key] = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
-            raise ConversionError(f"{file} is truncated or not a PyTorch checkpoint ({type(e).__name__}: {e})") from None
+            raise ConversionError(f"{file} is truncated or not a PyTorch checkpoint "
+                                  f"({type(e).__name__}: {e})") from None
     if "model0" in states[(0, 0)]:
         raise ConversionError(f"{path}: virtual-pipeline checkpoints (model0, model1, ...) are not supported")
     config = _config(states[(0, 0)]["args"], str(ranks[(0, 0)]))
