@@ -4,7 +4,7 @@ compared here). TP=1: written as Megatron-LM does (``iter_N/mp_rank_00/model_opt
 and ``args``); the converted tensors equal Megatron-Core's under the documented name map. TP=2 x PP=2: the
 same weights cut the way Megatron-Core shards them (whole query groups per rank, ``[gate_r; up_r]``, stage-local
 layer indices) into ``mp_rank_XX_YYY`` files: this fixture is built here, not by Megatron's code; it must
-convert to the bit-identical megafp8 checkpoint."""
+convert to the bit-identical megafp8 checkpoint; so must the Transformer Engine spec's names."""
 import argparse
 from pathlib import Path
 
@@ -105,6 +105,20 @@ def test_megatron_checkpoints_convert(tmp_path):
                    "--save-dir", tmp_path / "m8_tp2pp2").returncode == 0
     sharded = checkpoint_tensors(tmp_path / "m8_tp2pp2")
     assert sorted(sharded) == sorted(ours) and all(torch.equal(sharded[k], ours[k]) for k in ours)
+
+    # Transformer Engine spec names: the norms fused into linear_qkv / linear_fc1, plus TE's _extra_state
+    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    te_state = {}
+    for name, value in state.items():
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        te_state[name] = value
+    _save(tmp_path / "te", 0, 0, te_state)
+    assert convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "te",
+                   "--save-dir", tmp_path / "m8_te").returncode == 0
+    te = checkpoint_tensors(tmp_path / "m8_te")
+    assert sorted(te) == sorted(ours) and all(torch.equal(te[k], ours[k]) for k in ours)
 
     # a model megafp8 does not have, and a missing rank file: clear errors, nothing written
     _save(tmp_path / "bias", 0, 0, state, add_bias_linear=True)
