@@ -9,9 +9,9 @@ flags. Saved at one TP/PP/DP layout it loads at any other (see docs/checkpoints.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 import torch
-from dataclasses import asdict
 
 from megafp8.checkpoint import (distributed_optimizer_state, distributed_optimizer_template, load_checkpoint,
                                 param_flat_range_state, save_checkpoint)
