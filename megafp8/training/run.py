@@ -41,14 +41,15 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
     parallel_state.init_process_groups(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     torch.manual_seed(args.seed)  # data-independent randomness; parameters come from (seed, name) generators
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
+    fp8 = Fp8Recipe.from_args(args) is not None
     guard = None
-    if Fp8Recipe.from_args(args) and args.fp8_param_gather:
+    if fp8 and args.fp8_param_gather:
         # Moving a layer to high precision needs its high-precision weight, which only the ZeRO owners hold
         # under --fp8-param-gather: the guard would break the layer, so it stays off (docs/training.md).
         if parallel_state.rank == 0:
             print(" fp8 saturation guard: off under --fp8-param-gather (telemetry still reports saturation)",
                   flush=True)
-    elif Fp8Recipe.from_args(args):
+    elif fp8:
         guard = saturation_guard(parallel_state)
     checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
     progress = None
