@@ -1,0 +1,298 @@
+"""FP8 numerics report: loss parity against a baseline run, grad norm and per-layer FP8 telemetry heatmaps.
+
+    python tools/fp8_report.py RUN_DIR... --output REPORT_DIR [--baseline NAME] [--seq-length N] [--band 0.01]
+
+Each RUN_DIR holds a `metrics.jsonl` (directly or in `logs/`) written by `megafp8.pretrain --log-dir`, and
+optionally TensorBoard events (anywhere below it) written with `--tensorboard-dir --log-fp8-telemetry`.
+Writes REPORT_DIR/report.md and PNG plots. A run is named by its directory's base name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# Telemetry stats of megafp8.fp8.collect_fp8_telemetry; "flushed" is accepted as a short name.
+SATURATED, FLUSHED, AMAX = "saturated", "flushed_to_zero", "amax"
+SMOOTHING = 5  # final training loss: mean of the last N logged records (one step is noisy)
+
+
+class ReportError(Exception):
+    """A user error (bad run directory or flag); printed as one line, no traceback."""
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    train: list[dict]
+    valid: list[dict]
+    # stat -> layer -> role -> [(step, value)]
+    telemetry: dict[str, dict[str, dict[str, list[tuple[int, float]]]]] = field(default_factory=dict)
+
+    def final_loss(self, use_validation: bool) -> float:
+        if use_validation:
+            return self.valid[-1]["val_lm_loss"]
+        losses = [r["lm_loss"] for r in self.train if r.get("lm_loss") is not None]
+        return float(np.mean(losses[-SMOOTHING:]))
+
+    def spikes(self, ratio: float = 1.1, window: int = 10) -> list[int]:
+        """Iterations whose loss exceeds `ratio` x the median of the previous `window` logged losses."""
+        points = [(r["iteration"], r["lm_loss"]) for r in self.train if r.get("lm_loss") is not None]
+        return [it for i, (it, loss) in enumerate(points)
+                if i >= window and loss > ratio * float(np.median([l for _, l in points[i - window:i]]))]
+
+
+def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    candidates = [run_dir / "metrics.jsonl", run_dir / "logs" / "metrics.jsonl"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise ReportError(f"run directory {run_dir} has no metrics.jsonl (looked for "
+                          f"{', '.join(str(p) for p in candidates)}); pass the --log-dir of a megafp8.pretrain run")
+    train, valid = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{path} line {number} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or "iteration" not in record:
+            raise ReportError(f"{path} line {number} is not a metrics record (no 'iteration')")
+        if "lm_loss" in record:
+            train.append(record)
+        elif "val_lm_loss" in record:
+            valid.append(record)
+    if not train:
+        raise ReportError(f"{path} has no training records (none with 'lm_loss')")
+    valid = [r for r in valid if r["val_lm_loss"] is not None]
+    return train, valid
+
+
+def _read_telemetry(run_dir: Path) -> dict:
+    event_dirs = sorted({p.parent for p in run_dir.rglob("events.out.tfevents*")})
+    if not event_dirs:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    telemetry: dict = {}
+    for directory in event_dirs:
+        events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            parts = tag.split("/")
+            if parts[0] != "fp8" or len(parts) != 4:
+                continue
+            _, layer, role, stat = parts
+            stat = FLUSHED if stat == "flushed" else stat
+            series = telemetry.setdefault(stat, {}).setdefault(layer, {}).setdefault(role, [])
+            series.extend((e.step, e.value) for e in events.Scalars(tag))
+    return telemetry
+
+
+def load_run(path: str) -> Run:
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist")
+    train, valid = _read_metrics(run_dir)
+    return Run(run_dir.resolve().name, run_dir, train, valid, _read_telemetry(run_dir))
+
+
+def _tokens(run: Run, iterations: list[int], seq_length: int | None) -> tuple[np.ndarray, str]:
+    """x values for `iterations`: tokens (consumed samples x seq length) when known, else iterations."""
+    if seq_length is None or any("consumed_samples" not in r for r in run.train):
+        return np.asarray(iterations, dtype=float), "iteration"
+    known_it = [0] + [r["iteration"] for r in run.train]
+    known_samples = [0] + [r["consumed_samples"] for r in run.train]
+    return np.interp(iterations, known_it, known_samples) * seq_length, "tokens"
+
+
+def _natural(name: str) -> list:
+    # layers.2 before layers.10
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def layer_matrix(run: Run, stat: str) -> tuple[list[str], list[int], np.ndarray]:
+    """(layers, steps, [layer, step] max over the layer's tensor roles) of one telemetry stat."""
+    by_layer = run.telemetry.get(stat, {})
+    layers = sorted(by_layer, key=_natural)
+    steps = sorted({s for roles in by_layer.values() for series in roles.values() for s, _ in series})
+    matrix = np.full((len(layers), len(steps)), np.nan)
+    column = {s: j for j, s in enumerate(steps)}
+    for i, layer in enumerate(layers):
+        for series in by_layer[layer].values():
+            for step, value in series:
+                j = column[step]
+                matrix[i, j] = value if math.isnan(matrix[i, j]) else max(matrix[i, j], value)
+    return layers, steps, matrix
+
+
+def worst_layers(run: Run, stat: str, top: int = 3) -> list[tuple[str, float]]:
+    """Layers with the highest mean (over steps) of `stat`'s max over roles, nonzero only."""
+    layers, _, matrix = layer_matrix(run, stat)
+    if not layers:
+        return []
+    means = np.nanmean(matrix, axis=1)
+    order = np.argsort(-means)[:top]
+    return [(layers[i], float(means[i])) for i in order if means[i] > 0]
+
+
+def _plot_losses(runs: list[Run], seq_length: int | None, output: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, run in enumerate(runs):
+        color = f"C{k % 10}"
+        x, label = _tokens(run, [r["iteration"] for r in run.train], seq_length)
+        ax.plot(x, [r["lm_loss"] for r in run.train], color=color, lw=1, alpha=0.8, label=f"{run.name} train")
+        if run.valid:
+            xv, _ = _tokens(run, [r["iteration"] for r in run.valid], seq_length)
+            ax.plot(xv, [r["val_lm_loss"] for r in run.valid], color=color, ls="--", marker="o", ms=3,
+                    label=f"{run.name} val")
+    ax.set_xlabel(label)
+    ax.set_ylabel("lm loss")
+    ax.set_title("training (solid) and validation (dashed) loss")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(output / "loss.png", dpi=90)
+    plt.close(fig)
+
+
+def _plot_series(runs: list[Run], baseline: Run, output: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    base = {r["iteration"]: r["lm_loss"] for r in baseline.train}
+    fig, (gap_ax, norm_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for k, run in enumerate(runs):
+        shared = [r for r in run.train
+                  if r["iteration"] in base and r["lm_loss"] is not None and base[r["iteration"]]]
+        gap_ax.plot([r["iteration"] for r in shared], [100 * (r["lm_loss"] / base[r["iteration"]] - 1) for r in shared],
+                    color=f"C{k % 10}", lw=1, label=run.name)
+        norm_ax.plot([r["iteration"] for r in run.train], [r.get("grad_norm") for r in run.train],
+                     color=f"C{k % 10}", lw=1, label=run.name)
+    gap_ax.axhspan(-1, 1, color="green", alpha=0.1, label="1% band")
+    gap_ax.set(xlabel="iteration", ylabel="%", title=f"training loss gap to {baseline.name}")
+    norm_ax.set(xlabel="iteration", ylabel="grad norm", title="gradient norm", yscale="log")
+    gap_ax.legend(fontsize=6)
+    norm_ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(output / "gap_and_grad_norm.png", dpi=90)
+    plt.close(fig)
+
+
+def _plot_telemetry(run: Run, output: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    panels = [(AMAX, "log10 amax", lambda m: np.log10(np.maximum(m, 1e-30))),
+              (SATURATED, "saturated %", lambda m: 100 * m), (FLUSHED, "underflow (flushed to zero) %", lambda m: 100 * m)]
+    panels = [p for p in panels if run.telemetry.get(p[0])]
+    if not panels:
+        return None
+    n_layers = len(layer_matrix(run, panels[0][0])[0])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 1.5 + 0.22 * n_layers), squeeze=False)
+    for ax, (stat, title, transform) in zip(axes[0], panels):
+        layers, steps, matrix = layer_matrix(run, stat)
+        image = ax.imshow(transform(matrix), aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.set_title(f"{run.name}: {title} (max over roles)", fontsize=8)
+        ax.set_yticks(range(len(layers)), layers, fontsize=5)
+        ticks = np.linspace(0, len(steps) - 1, min(len(steps), 6)).astype(int)
+        ax.set_xticks(ticks, [steps[t] for t in ticks], fontsize=6)
+        ax.set_xlabel("iteration", fontsize=7)
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    name = f"telemetry_{run.name}.png"
+    fig.savefig(output / name, dpi=80)
+    plt.close(fig)
+    return name
+
+
+def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
+    """One plain-words sentence: within/outside the band and, if outside, the layers the telemetry blames."""
+    if run is baseline:
+        return "baseline"
+    extra_spikes = sorted(set(run.spikes()) - set(baseline.spikes()))
+    spike_note = f"; loss spikes the baseline lacks at iterations {extra_spikes}" if extra_spikes else ""
+    if abs(gap) <= band:
+        return f"within the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
+    sentence = f"OUTSIDE the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
+    saturated, flushed = worst_layers(run, SATURATED), worst_layers(run, FLUSHED)
+    if not run.telemetry:
+        return sentence + "; no FP8 telemetry logged to explain it (run with --log-fp8-telemetry --tensorboard-dir)"
+    blame = []
+    if saturated:
+        blame.append("most saturation in " + ", ".join(f"{layer} ({100 * v:.2f}%)" for layer, v in saturated))
+    if flushed:
+        blame.append("most underflow in " + ", ".join(f"{layer} ({100 * v:.2f}%)" for layer, v in flushed))
+    return sentence + "; " + ("; ".join(blame) if blame else "telemetry shows no saturation or underflow")
+
+
+def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_length: int | None = None,
+                 band: float = 0.01) -> Path:
+    """Plots and report.md for `runs` against the baseline (the first run unless named); returns report.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ReportError(f"run directories must have distinct names, got {names}")
+    if baseline_name is None:
+        baseline = runs[0]
+    elif baseline_name in names:
+        baseline = runs[names.index(baseline_name)]
+    else:
+        raise ReportError(f"--baseline {baseline_name} is not one of the runs {names}")
+    output.mkdir(parents=True, exist_ok=True)
+    use_validation = all(r.valid for r in runs)
+    _plot_losses(runs, seq_length, output)
+    _plot_series(runs, baseline, output)
+    base_loss = baseline.final_loss(use_validation)
+    kind = "validation" if use_validation else f"training (mean of the last {SMOOTHING} logged)"
+    lines = ["# FP8 numerics report", "",
+             f"Baseline: `{baseline.name}`. Final loss: {kind}. Band: {100 * band:g}% relative gap.", "",
+             "| run | iterations | final train loss | final val loss | gap to baseline | skipped | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        loss = run.final_loss(use_validation)
+        gap = loss / base_loss - 1
+        val = f"{run.valid[-1]['val_lm_loss']:.4f}" if run.valid else "-"
+        lines.append(f"| {run.name} | {run.train[-1]['iteration']} | {run.final_loss(False):.4f} | {val} | "
+                     f"{100 * gap:+.2f}% | {run.train[-1].get('skipped_iterations', 0)} | "
+                     f"{verdict(run, baseline, gap, band)} |")
+    lines += ["", "![loss](loss.png)", "", "![gap and grad norm](gap_and_grad_norm.png)", ""]
+    for run in runs:
+        image = _plot_telemetry(run, output)
+        if image:
+            lines += [f"## FP8 telemetry: {run.name}", "",
+                      "Per layer, the max over its tensor roles (input, weight, grad_output) at each logged step.", "",
+                      f"![telemetry {run.name}]({image})", ""]
+    report = output / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--output", required=True, metavar="REPORT_DIR")
+    parser.add_argument("--baseline", help="run name (directory base name) to compare against; default: the first")
+    parser.add_argument("--seq-length", type=int, help="tokens per sample: plot loss against tokens")
+    parser.add_argument("--band", type=float, default=0.01, help="relative final-loss gap counted as parity")
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(path) for path in args.runs]
+        report = write_report(runs, args.baseline, Path(args.output), args.seq_length, args.band)
+    except ReportError as e:
+        print(f"fp8_report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
