@@ -190,7 +190,8 @@ def _plot_telemetry(run: Run, output: Path) -> str | None:
     import matplotlib.pyplot as plt
 
     panels = [(AMAX, "log10 amax", lambda m: np.log10(np.maximum(m, 1e-30))),
-              (SATURATED, "saturated %", lambda m: 100 * m), (FLUSHED, "underflow (flushed to zero) %", lambda m: 100 * m)]
+              (SATURATED, "saturated %", lambda m: 100 * m),
+              (FLUSHED, "underflow (flushed to zero) %", lambda m: 100 * m)]
     panels = [p for p in panels if run.telemetry.get(p[0])]
     if not panels:
         return None

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# FP8 parity: the same small Llama, seed and data order in high precision and in every FP8 mode, then the
+# numerics report (tools/fp8_report.py): loss vs tokens, gap to the baseline, grad norm, per-layer telemetry.
+#   runs: fp32 (baseline), fp8_delayed (hybrid), fp8_tensorwise, fp8_rowwise, fp8_blockwise,
+#         fp8_zero_compressed (ZeRO: FP8 optimizer state + fp16 master + FP8 param gather, delayed),
+#         fp8_delayed_smooth_swiglu (the Smooth-SwiGLU ablation of fp8_delayed)
+#
+#   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
+#   --quick: 40 steps (CI); default: 500 steps on a larger corpus and tokenizer (~6 minutes on 2 CPU cores).
+#   Both: a 2-layer Llama, hidden 128, 4 heads (2 KV groups in the full run), 64-token samples, 8 per step.
+#   PARITY_ITERS=N        iterations per run (a multiple of the log interval, 5 quick / 10 full)
+#   PARITY_MODEL="..."    model flags replacing the default ones (e.g. a smaller model for a test)
+#   PARITY_RUNS="a b"     only these runs (the first one is the baseline)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+quick=0
+if [[ "${1:-}" == "--quick" ]]; then quick=1; shift; fi
+work="${1:-runs/fp8_parity}"
+mkdir -p "$work"
+
+if (( quick )); then
+  iters="${PARITY_ITERS:-40}"; corpus_bytes=1000000; vocab=1000; eval_interval=20; log_interval=5
+  model="${PARITY_MODEL:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8}"
+else
+  iters="${PARITY_ITERS:-500}"; corpus_bytes=4000000; vocab=2000; eval_interval=100; log_interval=10
+  model="${PARITY_MODEL:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 64 --micro-batch-size 8 --global-batch-size 8}"
+fi
+seq_length=$(sed -n 's/.*--seq-length \([0-9]*\).*/\1/p' <<< "$model")
+
+if [[ ! -f "$work/stdlib_text_document.idx" ]]; then
+  echo "== data: Python stdlib corpus, SentencePiece ($vocab pieces), Megatron .bin/.idx in $work =="
+  python tools/build_corpus.py --output "$work/stdlib.jsonl" --max-bytes "$corpus_bytes"
+  python tools/train_tokenizer.py --input "$work/stdlib.jsonl" --model-prefix "$work/tok" --vocab-size "$vocab"
+  python tools/preprocess_data.py --input "$work/stdlib.jsonl" --output-prefix "$work/stdlib" --json-keys text \
+      --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/tok.model" --append-eod --workers 2
+fi
+
+# shellcheck disable=SC2206  # the model flags are meant to split into words
+common=(
+  $model --train-iters "$iters" --seed 1234
+  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters $((iters / 20 + 1)) --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
+  --data-path "$work/stdlib_text_document" --split 98,2,0
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/tok.model"
+  --eval-interval "$eval_interval" --eval-iters 4 --log-interval "$log_interval"
+)
+fp8="--fp8-format hybrid --fp8-recipe"
+declare -A run_flags=(
+  [fp32]=""
+  [fp8_delayed]="$fp8 delayed"
+  [fp8_tensorwise]="$fp8 tensorwise"
+  [fp8_rowwise]="$fp8 rowwise"
+  [fp8_blockwise]="$fp8 blockwise"
+  [fp8_zero_compressed]="$fp8 delayed --use-distributed-optimizer --fp8-param-gather --master-weight-dtype fp16 --optimizer-state-dtype fp8"
+  [fp8_delayed_smooth_swiglu]="$fp8 delayed --activation smooth_swiglu"
+)
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+
+mkdir -p "$work/runs"
+dirs=()
+for name in $runs; do
+  dir="$work/runs/$name"
+  rm -rf "$dir"  # metrics.jsonl appends: a rerun starts clean
+  echo "== $name: $iters iterations -> $dir =="
+  start=$SECONDS
+  telemetry=()
+  if [[ -n "${run_flags[$name]}" ]]; then telemetry=(--log-fp8-telemetry); fi  # FP8 runs only
+  # shellcheck disable=SC2086  # the run's flags are meant to split into words
+  python -m megafp8.pretrain "${common[@]}" ${run_flags[$name]} \
+      --log-dir "$dir" --tensorboard-dir "$dir/tb" "${telemetry[@]}" > "$dir.log" 2>&1 \
+    || { echo "$name failed; its output: $dir.log" >&2; tail -5 "$dir.log" >&2; exit 1; }
+  echo "   done in $((SECONDS - start)) s: $(grep 'validation loss' "$dir.log" | tail -1)"
+  dirs+=("$dir")
+done
+
+python tools/fp8_report.py "${dirs[@]}" --output "$work/report" --seq-length "$seq_length"

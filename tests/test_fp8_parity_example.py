@@ -1,0 +1,32 @@
+"""examples/fp8_parity.sh --quick (a reduced model): every FP8 mode trains (final loss below its first) and
+stays within a loose 10% of the fp32 baseline's final validation loss; the report lists every run."""
+import json
+import os
+import subprocess
+
+from data_fixtures import REPO_ROOT
+
+RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_zero_compressed",
+        "fp8_delayed_smooth_swiglu"]
+
+
+def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARITY_ITERS": "20",
+           "PARITY_MODEL": "--num-layers 1 --hidden-size 128 --num-attention-heads 4 --seq-length 32 "
+                           "--micro-batch-size 4 --global-batch-size 4"}
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "examples", "fp8_parity.sh"), "--quick", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    final_val = {}
+    for name in RUNS:
+        records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        train = [r["lm_loss"] for r in records if "lm_loss" in r]
+        final_val[name] = [r["val_lm_loss"] for r in records if "val_lm_loss" in r][-1]
+        assert len(train) == 20 // 5 and train[-1] < train[0], (name, train)
+        if name != "fp32":  # telemetry went to TensorBoard for the FP8 runs
+            assert list((tmp_path / "runs" / name / "tb").glob("events.out.tfevents*")), name
+    for name in RUNS[1:]:
+        assert abs(final_val[name] / final_val["fp32"] - 1) < 0.10, (name, final_val)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert all(f"| {name} | 20 |" in report for name in RUNS)
+    assert (tmp_path / "report" / "telemetry_fp8_blockwise.png").exists()
