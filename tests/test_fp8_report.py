@@ -1,5 +1,6 @@
 """tools/fp8_report.py on synthetic runs: the files it writes, its table, its verdicts (inside and outside the
 1% band, naming the layers whose telemetry saturates/underflows), and one-line errors for bad run directories."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,8 +10,10 @@ import pytest
 
 from data_fixtures import REPO_ROOT
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
-import fp8_report  # noqa: E402
+# Loaded from its path: putting tools/ on sys.path would let its scripts shadow modules for the other tests.
+_spec = importlib.util.spec_from_file_location("fp8_report", os.path.join(REPO_ROOT, "tools", "fp8_report.py"))
+fp8_report = sys.modules["fp8_report"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(fp8_report)
 
 LAYERS = ["0.layers.0.mlp.linear_fc1", "0.layers.1.mlp.linear_fc2", "0.layers.10.self_attention.linear_qkv"]
 
