@@ -6,8 +6,8 @@
 #         fp8_delayed_smooth_swiglu (the Smooth-SwiGLU ablation of fp8_delayed)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
-#   --quick: 40 steps (CI); default: 500 steps on a larger corpus and tokenizer (~6 minutes on 2 CPU cores).
-#   Both: a 2-layer Llama, hidden 128, 4 heads (2 KV groups in the full run), 64-token samples, 8 per step.
+#   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
+#   tokenizer (~5 minutes on 2 CPU cores). Both: hidden 128, 4 heads, 64-token samples, 8 per step.
 #   PARITY_ITERS=N        iterations per run (a multiple of the log interval, 5 quick / 10 full)
 #   PARITY_MODEL="..."    model flags replacing the default ones (e.g. a smaller model for a test)
 #   PARITY_RUNS="a b"     only these runs (the first one is the baseline)
@@ -23,7 +23,7 @@ if (( quick )); then
   model="${PARITY_MODEL:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8}"
 else
   iters="${PARITY_ITERS:-500}"; corpus_bytes=4000000; vocab=2000; eval_interval=100; log_interval=10
-  model="${PARITY_MODEL:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 64 --micro-batch-size 8 --global-batch-size 8}"
+  model="${PARITY_MODEL:---num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 64 --micro-batch-size 8 --global-batch-size 8}"
 fi
 seq_length=$(sed -n 's/.*--seq-length \([0-9]*\).*/\1/p' <<< "$model")
 
