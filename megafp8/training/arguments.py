@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from megafp8.fp8.recipe import FORMATS, SCALINGS
 from megafp8.model.config import ACTIVATIONS
+from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -54,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None)
+    g.add_argument("--recompute-method", choices=METHODS, default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
@@ -203,10 +204,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.pipeline_schedule != "1f1b" and args.pipeline_model_parallel_size == 1:
         errors.append(f"--pipeline-schedule {args.pipeline_schedule} needs --pipeline-model-parallel-size > 1")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        errors.append("--recompute-method applies to --recompute-granularity full")
-    if args.recompute_granularity == "full" and (args.recompute_method is None or args.recompute_num_layers is None):
-        errors.append("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+    errors += recompute_errors(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.tokenizer_type != "NullTokenizer" and args.data_path and args.tokenizer_model is None:
