@@ -72,13 +72,6 @@ class StopSignal:
     def _handle(self, signum, _frame) -> None:
         self.requested = True
 
-    def agreed(self, group) -> bool:
-        """True on every rank if any rank was signalled (all must save the same iteration)."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -177,7 +170,7 @@ class Trainer:
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
                     self._log_validation(self.evaluate())
-                stop_now = stop.agreed(None) or self._out_of_time(start_time) or (
+                stop_now = self._must_stop(stop, start_time) or (
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
@@ -192,12 +185,14 @@ class Trainer:
             self.log.close()
         return p
 
-    def _out_of_time(self, start_time: float) -> bool:
-        if self.args.exit_duration_in_mins is None:
-            return False
-        flag = torch.tensor([float(time.monotonic() - start_time > 60 * self.args.exit_duration_in_mins)])
+    def _must_stop(self, stop: StopSignal, start_time: float) -> bool:
+        """A signal or --exit-duration-in-mins on any rank stops every rank after the same iteration (all
+        must save it): one MAX all-reduce of the local verdict."""
+        limit = self.args.exit_duration_in_mins
+        out_of_time = limit is not None and time.monotonic() - start_time > 60 * limit
+        flag = torch.tensor([float(stop.requested or out_of_time)])
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same iteration
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry) -> None:
