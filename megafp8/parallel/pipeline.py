@@ -99,6 +99,16 @@ class ModelChunks(nn.ModuleList):
                     seen.add(id(param))
                     yield name, param
 
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        # Global names here too (FP8 telemetry tags, the saturation guard's switched layers, which a
+        # checkpoint restores by name): `layers.3.mlp.linear_fc1`, not `0.layers.3.mlp.linear_fc1`.
+        memo = set() if memo is None else memo
+        if self not in memo or not remove_duplicate:
+            memo.add(self)
+            yield prefix, self
+        for chunk in self:  # each chunk itself comes back named `prefix` too, like the container
+            yield from chunk.named_modules(memo, prefix, remove_duplicate)
+
 
 class Pipeline:
     """This rank's model chunks and the step that runs one global batch (this DP rank's share) through them.
