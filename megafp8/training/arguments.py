@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--first-last-layers-bf16", type=int, nargs="?", const=1, default=0,
                    help="keep the first and last N transformer layers out of FP8")
     g.add_argument("--log-fp8-telemetry", action="store_true")
+    g.add_argument("--no-fp8-saturation-guard", dest="fp8_saturation_guard", action="store_false",
+                   help="never move a saturating layer to high precision (saves the guard's per-step telemetry pass)")
 
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--lr", type=float, default=3e-4)
@@ -193,8 +195,10 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append("--fp8-param-gather needs --fp8-format")
     if args.fp8_param_gather and not args.use_distributed_optimizer:
         errors.append("--fp8-param-gather needs --use-distributed-optimizer (the owner of each shard casts it to FP8)")
-    if args.fp8_format is None and (args.first_last_layers_bf16 or args.log_fp8_telemetry):
-        flag = "--first-last-layers-bf16" if args.first_last_layers_bf16 else "--log-fp8-telemetry"
+    if args.fp8_format is None and (args.first_last_layers_bf16 or args.log_fp8_telemetry
+                                    or not args.fp8_saturation_guard):
+        flag = ("--first-last-layers-bf16" if args.first_last_layers_bf16 else
+                "--log-fp8-telemetry" if args.log_fp8_telemetry else "--no-fp8-saturation-guard")
         errors.append(f"{flag} needs --fp8-format")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         errors.append("--overlap-param-gather needs --use-distributed-optimizer")
