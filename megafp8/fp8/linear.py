@@ -32,6 +32,7 @@ class Fp8GemmModule(nn.Module):
     force_high_precision: run in high precision whatever the recipe (precision map, output head: config)
     guard_high_precision: switched to high precision by the SaturationGuard (checkpointed by the guard)
     telemetry_enabled:    record FP8 statistics of each quantization (see telemetry.py)
+    forced_overflow_factor: a test hook's input-scale multiplier (forced_overflow.py); None in real runs
     """
 
     def __init__(self, recipe: Fp8Recipe | None = None):
@@ -40,6 +41,7 @@ class Fp8GemmModule(nn.Module):
         self.force_high_precision = False
         self.guard_high_precision = False
         self.telemetry_enabled = False
+        self.forced_overflow_factor: float | None = None
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor, bool] | None = None  # (key, weight, observed)
