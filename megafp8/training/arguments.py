@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-fp8-telemetry", action="store_true")
     g.add_argument("--no-fp8-saturation-guard", dest="fp8_saturation_guard", action="store_false",
                    help="never move a saturating layer to high precision (saves the guard's per-step telemetry pass)")
+    g.add_argument("--fp8-saturation-guard-threshold", type=float, default=0.01,
+                   help="saturated fraction of a layer's FP8 tensor above which a check counts against it")
+    g.add_argument("--fp8-saturation-guard-patience", type=int, default=3,
+                   help="consecutive checks above the threshold before the layer moves to high precision")
 
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--lr", type=float, default=3e-4)
@@ -191,6 +195,10 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
     if args.lr_warmup_samples is not None and args.lr_warmup_iters:
         errors.append("--lr-warmup-iters and --lr-warmup-samples are exclusive")
+    if not 0 <= args.fp8_saturation_guard_threshold < 1:
+        errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
+    if args.fp8_saturation_guard_patience < 1:
+        errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
     if args.fp8_param_gather and args.fp8_format is None:
         errors.append("--fp8-param-gather needs --fp8-format")
     if args.fp8_param_gather and not args.use_distributed_optimizer:

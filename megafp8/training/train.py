@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
+from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
 from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
 from megafp8.parallel.parallel_state import ParallelState
@@ -79,18 +80,24 @@ class StopSignal:
 
 def _mean_over(value: torch.Tensor, group) -> float:
     """Average of a scalar over a group (the DP replicas' losses). Logging-sized: not byte-counted."""
-    value = value.detach().float().reshape(1).cpu()
+    value = value.detach().float().reshape(1).clone()  # on the loss's device: NCCL reduces no CPU tensor
     if group is not None:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
     return value.item()
 
 
-def saturation_guard(parallel_state: ParallelState) -> SaturationGuard:
+def _flag_tensor(value: bool) -> torch.Tensor:
+    """A one-element flag on the device the default process group reduces (CUDA under NCCL)."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.tensor([float(value)], device=torch.cuda.current_device() if nccl else "cpu")
+
+
+def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3) -> SaturationGuard:
     """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x DP ranks."""
     def all_reduce_max(tensor: torch.Tensor) -> None:
         C.all_reduce(tensor, parallel_state.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
-    return SaturationGuard(all_reduce_max=all_reduce_max)
+    return SaturationGuard(threshold, patience, all_reduce_max=all_reduce_max)
 
 
 class Trainer:
@@ -108,6 +115,9 @@ class Trainer:
         # The last pipeline stage computes the loss; its first TP/DP rank speaks for the run.
         self.is_logging_rank = parallel_state.rank == parallel_state.world_size - parallel_state.tp_size * parallel_state.dp_size
         self.log = TrainingLog(args.log_dir, args.tensorboard_dir) if self.is_logging_rank else TrainingLog()
+        # Each pipeline stage's first TP/DP rank speaks for the saturation guard's switches of its layers.
+        self.is_stage_lead = parallel_state.coords.tp == 0 and parallel_state.coords.dp == 0
+        self.forced_overflow = self._forced_overflow()
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
         self.valid_batches = batches(self.valid_data, 0, args, parallel_state, cycle=True) if self.valid_data else None
@@ -130,12 +140,14 @@ class Trainer:
         inputs, labels = self._global_batch(self.train_batches)
         injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
         loss_mask = torch.full(labels.shape, float("nan")) if injected_nan else None  # the test hook above
+        if self.forced_overflow is not None:
+            self.forced_overflow.apply(self.ddp.module, self.progress.iteration + 1)
         loss = self.pipeline.step(inputs, labels, loss_mask)  # also the FP8 amax reduction and scale update
         result = self.optimizer.step(self.schedule(self.progress.consumed_samples))  # finishes the DP grad sync
         if self.guard is not None:
             for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
-                if self.is_logging_rank:
-                    print(f" fp8 saturation guard: {message}", flush=True)
+                if self.is_stage_lead:
+                    print(f" {message}", flush=True)
         return _mean_over(loss, self.ps.dp_group.group), not result.skipped, result.grad_norm
 
     @torch.no_grad()
@@ -167,6 +179,7 @@ class Trainer:
                 if p.iteration % args.log_interval == 0:
                     elapsed = (time.perf_counter() - window_start) / window_iters
                     self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None)
+                    self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
                     self._log_validation(self.evaluate())
@@ -180,6 +193,7 @@ class Trainer:
             else:
                 if self.checkpointer is not None and (args.save_interval is None or p.iteration % args.save_interval):
                     self.checkpointer.save(self)  # the final state, unless the last interval just saved it
+            self._log_guard_switches()  # those after the last logged iteration
         finally:
             stop.restore()
             self.log.close()
@@ -190,7 +204,7 @@ class Trainer:
         must save it): one MAX all-reduce of the local verdict."""
         limit = self.args.exit_duration_in_mins
         out_of_time = limit is not None and time.monotonic() - start_time > 60 * limit
-        flag = torch.tensor([float(stop.requested or out_of_time)])
+        flag = _flag_tensor(stop.requested or out_of_time)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -209,6 +223,36 @@ class Trainer:
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
             self.log.log_iteration(record, telemetry)
+
+    def _log_guard_switches(self) -> None:
+        """Write the saturation guard's new switches to metrics.jsonl. Each stage decides on its own layers:
+        under PP the logging (last) stage gathers the others' over the pipeline group (every rank calls)."""
+        if self.guard is None:
+            return
+        events = self.guard.take_events()
+        if self.ps.pp_size > 1:
+            gathered: list = [None] * self.ps.pp_size
+            dist.all_gather_object(gathered, events, group=self.ps.pp_group.group)
+            events = sorted((e for stage in gathered for e in stage), key=lambda e: (e["iteration"], e["layer"]))
+        if self.is_logging_rank:
+            for event in events:
+                self.log.log_guard_switch(**event)
+
+    def _forced_overflow(self) -> ForcedOverflow | None:
+        """The forced-overflow test hook (megafp8.fp8.forced_overflow), checked to name a layer of some stage."""
+        hook = ForcedOverflow.from_env()
+        if hook is None:
+            return None
+        found = _flag_tensor(hook.target(self.ddp.module) is not None)
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if not found.item():
+            raise ValueError(f"{FORCED_OVERFLOW_ENV}: the model has no layer {hook.layer!r} (names as in the FP8 "
+                             "telemetry tags, e.g. layers.0.mlp.linear_fc2)")
+        if self.is_logging_rank:
+            print(f" test hook {FORCED_OVERFLOW_ENV}: {hook.layer}'s FP8 input scale x{hook.factor:g} from iteration "
+                  f"{hook.from_iteration}", flush=True)
+        return hook
 
     def _log_validation(self, val_loss: float) -> None:
         if self.is_logging_rank:

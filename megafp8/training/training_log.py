@@ -3,7 +3,8 @@
 Only the caller decides what to log (rank 0 usually); this module formats and writes. The keys of a
 metrics.jsonl record are a public contract (DESIGN.md): `iteration`, `lm_loss`, `grad_norm`, `lr`,
 `tokens_per_s`, `skipped_iterations`, `comm_bytes` (bytes this rank sent per collective kind since the
-previous record), `model_state_bytes_per_param`; validation records carry `val_lm_loss`.
+previous record), `model_state_bytes_per_param`; validation records carry `val_lm_loss`; the FP8 saturation
+guard's switches are records with `fp8_guard_switch` (the layer) and `saturated` (its saturated fraction).
 """
 from __future__ import annotations
 
@@ -115,6 +116,13 @@ class TrainingLog:
         self._append({"iteration": iteration, "val_lm_loss": _finite_or_none(val_lm_loss)})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("validation/lm_loss", val_lm_loss, iteration)
+
+    def log_guard_switch(self, iteration: int, layer: str, saturated: float) -> None:
+        """The saturation guard moved `layer` to high precision after `iteration` (it saturated `saturated`)."""
+        self._append({"iteration": iteration, "fp8_guard_switch": layer, "saturated": _finite_or_none(saturated)})
+        if self.tensorboard is not None:
+            self.tensorboard.add_text("fp8_guard", f"{layer} switched to high precision ({100 * saturated:.2f}% "
+                                      "saturated)", iteration)
 
     def close(self) -> None:
         if self.tensorboard is not None:
