@@ -33,6 +33,7 @@ class Run:
     path: Path
     train: list[dict]
     valid: list[dict]
+    guard_switches: list[dict] = field(default_factory=list)  # {"iteration", "fp8_guard_switch", "saturated"}
     # stat -> layer -> role -> [(step, value)]
     telemetry: dict[str, dict[str, dict[str, list[tuple[int, float]]]]] = field(default_factory=dict)
 
@@ -49,13 +50,13 @@ class Run:
                 if i >= window and loss > ratio * float(np.median([l for _, l in points[i - window:i]]))]
 
 
-def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     candidates = [run_dir / "metrics.jsonl", run_dir / "logs" / "metrics.jsonl"]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
         raise ReportError(f"run directory {run_dir} has no metrics.jsonl (looked for "
                           f"{', '.join(str(p) for p in candidates)}); pass the --log-dir of a megafp8.pretrain run")
-    train, valid = [], []
+    train, valid, switches = [], [], []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -69,10 +70,12 @@ def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
             train.append(record)
         elif "val_lm_loss" in record:
             valid.append(record)
+        elif "fp8_guard_switch" in record:
+            switches.append(record)
     if not train:
         raise ReportError(f"{path} has no training records (none with 'lm_loss')")
     valid = [r for r in valid if r["val_lm_loss"] is not None]
-    return train, valid
+    return train, valid, switches
 
 
 def _read_telemetry(run_dir: Path) -> dict:
@@ -100,8 +103,8 @@ def load_run(path: str) -> Run:
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise ReportError(f"run directory {run_dir} does not exist")
-    train, valid = _read_metrics(run_dir)
-    return Run(run_dir.resolve().name, run_dir, train, valid, _read_telemetry(run_dir))
+    train, valid, switches = _read_metrics(run_dir)
+    return Run(run_dir.resolve().name, run_dir, train, valid, switches, _read_telemetry(run_dir))
 
 
 def _tokens(run: Run, iterations: list[int], seq_length: int | None) -> tuple[np.ndarray, str]:
@@ -151,6 +154,11 @@ def _plot_losses(runs: list[Run], seq_length: int | None, output: Path) -> None:
         color = f"C{k % 10}"
         x, label = _tokens(run, [r["iteration"] for r in run.train], seq_length)
         ax.plot(x, [r["lm_loss"] for r in run.train], color=color, lw=1, alpha=0.8, label=f"{run.name} train")
+        if run.guard_switches:
+            its = [e["iteration"] for e in run.guard_switches]
+            xs, _ = _tokens(run, its, seq_length)
+            ax.plot(xs, np.interp(its, [r["iteration"] for r in run.train], [r["lm_loss"] for r in run.train]),
+                    "v", color=color, ms=8, mec="black", label=f"{run.name}: guard switch")
         if run.valid:
             xv, _ = _tokens(run, [r["iteration"] for r in run.valid], seq_length)
             ax.plot(xv, [r["val_lm_loss"] for r in run.valid], color=color, ls="--", marker="o", ms=3,
@@ -174,10 +182,12 @@ def _plot_series(runs: list[Run], baseline: Run, output: Path) -> None:
                   if r["iteration"] in base and r["lm_loss"] is not None and base[r["iteration"]]]
         gap_ax.plot([r["iteration"] for r in shared], [100 * (r["lm_loss"] / base[r["iteration"]] - 1) for r in shared],
                     color=f"C{k % 10}", lw=1, label=run.name)
+        for event in run.guard_switches:
+            gap_ax.axvline(event["iteration"], color=f"C{k % 10}", ls=":", lw=1)
         norm_ax.plot([r["iteration"] for r in run.train], [r.get("grad_norm") for r in run.train],
                      color=f"C{k % 10}", lw=1, label=run.name)
     gap_ax.axhspan(-1, 1, color="green", alpha=0.1, label="1% band")
-    gap_ax.set(xlabel="iteration", ylabel="%", title=f"training loss gap to {baseline.name}")
+    gap_ax.set(xlabel="iteration", ylabel="%", title=f"training loss gap to {baseline.name} (dotted: guard switches)")
     norm_ax.set(xlabel="iteration", ylabel="grad norm", title="gradient norm", yscale="log")
     gap_ax.legend(fontsize=6)
     norm_ax.legend(fontsize=6)
@@ -200,11 +210,16 @@ def _plot_telemetry(run: Run, output: Path) -> str | None:
     for ax, (stat, title, transform) in zip(axes[0], panels):
         layers, steps, matrix = layer_matrix(run, stat)
         image = ax.imshow(transform(matrix), aspect="auto", interpolation="nearest", cmap="viridis")
-        ax.set_title(f"{run.name}: {title} (max over roles)", fontsize=8)
+        ax.set_title(f"{run.name}: {title} (max over roles; red: guard switch)", fontsize=8)
         ax.set_yticks(range(len(layers)), layers, fontsize=5)
         ticks = np.linspace(0, len(steps) - 1, min(len(steps), 6)).astype(int)
         ax.set_xticks(ticks, [steps[t] for t in ticks], fontsize=6)
         ax.set_xlabel("iteration", fontsize=7)
+        for event in run.guard_switches:  # the row goes blank after it: the layer quantizes nothing any more
+            if event["fp8_guard_switch"] in layers and steps:
+                column = int(np.searchsorted(steps, event["iteration"]))
+                ax.plot(min(column, len(steps) - 1), layers.index(event["fp8_guard_switch"]), "v", color="red",
+                        ms=6, mec="white")
         fig.colorbar(image, ax=ax)
     fig.tight_layout()
     name = f"telemetry_{run.name}.png"
@@ -219,6 +234,9 @@ def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
         return "baseline"
     extra_spikes = sorted(set(run.spikes()) - set(baseline.spikes()))
     spike_note = f"; loss spikes the baseline lacks at iterations {extra_spikes}" if extra_spikes else ""
+    if run.guard_switches:
+        spike_note += "; the saturation guard moved " + ", ".join(
+            f"{e['fp8_guard_switch']} to high precision at iteration {e['iteration']}" for e in run.guard_switches)
     if abs(gap) <= band:
         return f"within the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
     sentence = f"OUTSIDE the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
@@ -231,6 +249,21 @@ def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
     if flushed:
         blame.append("most underflow in " + ", ".join(f"{layer} ({100 * v:.2f}%)" for layer, v in flushed))
     return sentence + "; " + ("; ".join(blame) if blame else "telemetry shows no saturation or underflow")
+
+
+def _guard_section(runs: list[Run]) -> list[str]:
+    """A table of every run's saturation-guard switches (the layers that left FP8, when and why)."""
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.2f}%"
+
+    rows = [f"| {run.name} | {e['iteration']} | {e['fp8_guard_switch']} | {percent(e.get('saturated'))} |"
+            for run in runs for e in run.guard_switches]
+    if not rows:
+        return ["## FP8 saturation guard", "", "No run switched a layer to high precision.", ""]
+    return ["## FP8 saturation guard", "",
+            "Layers the guard moved to high precision (saturated fraction above its threshold for several "
+            "consecutive steps); from then on they run in high precision and report no FP8 telemetry.", "",
+            "| run | after iteration | layer | saturated |", "|---|---|---|---|", *rows, ""]
 
 
 def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_length: int | None = None,
@@ -266,6 +299,7 @@ def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_l
                      f"{100 * gap:+.2f}% | {run.train[-1].get('skipped_iterations', 0)} | "
                      f"{verdict(run, baseline, gap, band)} |")
     lines += ["", "![loss](loss.png)", "", "![gap and grad norm](gap_and_grad_norm.png)", ""]
+    lines += _guard_section(runs)
     for run in runs:
         image = _plot_telemetry(run, output)
         if image:
