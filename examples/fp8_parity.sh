@@ -3,7 +3,10 @@
 # numerics report (tools/fp8_report.py): loss vs tokens, gap to the baseline, grad norm, per-layer telemetry.
 #   runs: fp32 (baseline), fp8_delayed (hybrid), fp8_tensorwise, fp8_rowwise, fp8_blockwise,
 #         fp8_zero_compressed (ZeRO: FP8 optimizer state + fp16 master + FP8 param gather, delayed),
-#         fp8_delayed_smooth_swiglu (the Smooth-SwiGLU ablation of fp8_delayed)
+#         fp8_delayed_smooth_swiglu (the Smooth-SwiGLU ablation of fp8_delayed),
+#         fp8_overflow_guarded / fp8_overflow_unguarded (the saturation guard in practice: fp8_delayed with
+#         layers.0.mlp.linear_fc2's input forced to overflow from 1/5 of the run on by the test hook
+#         MEGAFP8_FORCE_FP8_OVERFLOW (megafp8/fp8/forced_overflow.py), with the guard and without it)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
@@ -52,8 +55,12 @@ declare -A run_flags=(
   [fp8_blockwise]="$fp8 blockwise"
   [fp8_zero_compressed]="$fp8 delayed --use-distributed-optimizer --fp8-param-gather --master-weight-dtype fp16 --optimizer-state-dtype fp8"
   [fp8_delayed_smooth_swiglu]="$fp8 delayed --activation smooth_swiglu"
+  [fp8_overflow_guarded]="$fp8 delayed"
+  [fp8_overflow_unguarded]="$fp8 delayed --no-fp8-saturation-guard"
 )
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu}"
+overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
+declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"
@@ -66,10 +73,11 @@ for name in $runs; do
   telemetry=()
   if [[ -n "${run_flags[$name]}" ]]; then telemetry=(--log-fp8-telemetry); fi  # FP8 runs only
   # shellcheck disable=SC2086  # the run's flags are meant to split into words
-  python -m megafp8.pretrain "${common[@]}" ${run_flags[$name]} \
+  env ${run_env[$name]:-} python -m megafp8.pretrain "${common[@]}" ${run_flags[$name]} \
       --log-dir "$dir" --tensorboard-dir "$dir/tb" "${telemetry[@]}" > "$dir.log" 2>&1 \
     || { echo "$name failed; its output: $dir.log" >&2; tail -5 "$dir.log" >&2; exit 1; }
   echo "   done in $((SECONDS - start)) s: $(grep 'validation loss' "$dir.log" | tail -1)"
+  grep 'switched to' "$dir.log" | sed 's/^ */   /' || true  # the saturation guard's switches
   dirs+=("$dir")
 done
 

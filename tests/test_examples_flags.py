@@ -46,7 +46,7 @@ def _validated(flags: list[str], world_size: int, vocab_size: int):
     return args
 
 
-@pytest.mark.parametrize("script", ["pretrain_llama3_8b_fp8.sh", "pretrain_single_gpu.sh", "quickstart.sh"])
+@pytest.mark.parametrize("script", ["pretrain_llama3_8b_fp8.sh", "pretrain_single_gpu.sh", "quickstart.sh", "fp8_parity.sh"])
 def test_example_is_valid_bash(script):
     assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, script)]).returncode == 0
 

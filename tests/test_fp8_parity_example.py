@@ -1,5 +1,6 @@
 """examples/fp8_parity.sh --quick (a reduced model): every FP8 mode trains (final loss below its first) and
-stays within a loose 10% of the fp32 baseline's final validation loss; the report lists every run."""
+stays within a loose 10% of the fp32 baseline's final validation loss; the report lists every run; the guard
+moves the layer the forced-overflow hook clips to high precision, and only in the run that has the guard."""
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import subprocess
 from data_fixtures import REPO_ROOT
 
 RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_zero_compressed",
-        "fp8_delayed_smooth_swiglu"]
+        "fp8_delayed_smooth_swiglu", "fp8_overflow_guarded", "fp8_overflow_unguarded"]
 
 
 def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
@@ -17,9 +18,10 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "examples", "fp8_parity.sh"), "--quick", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    final_val = {}
+    final_val, switches = {}, {}
     for name in RUNS:
         records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        switches[name] = [(r["iteration"], r["fp8_guard_switch"]) for r in records if "fp8_guard_switch" in r]
         train = [r["lm_loss"] for r in records if "lm_loss" in r]
         final_val[name] = [r["val_lm_loss"] for r in records if "val_lm_loss" in r][-1]
         assert len(train) == 20 // 5 and train[-1] < train[0], (name, train)
@@ -27,6 +29,11 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
             assert list((tmp_path / "runs" / name / "tb").glob("events.out.tfevents*")), name
     for name in RUNS[1:]:
         assert abs(final_val[name] / final_val["fp32"] - 1) < 0.10, (name, final_val)
+    # The guard in practice: forced from iteration 20 / 5 = 4, the layer leaves FP8 after 3 saturated steps;
+    # nothing else switches, and without the guard nothing does.
+    assert switches.pop("fp8_overflow_guarded") == [(6, "layers.0.mlp.linear_fc2")]
+    assert not any(switches.values()), switches
     report = (tmp_path / "report" / "report.md").read_text()
+    assert "| fp8_overflow_guarded | 6 | layers.0.mlp.linear_fc2 |" in report
     assert all(f"| {name} | 20 |" in report for name in RUNS)
     assert (tmp_path / "report" / "telemetry_fp8_blockwise.png").exists()

@@ -62,7 +62,8 @@ def _report(*args: str) -> subprocess.CompletedProcess:
 
 
 def _table(report: str) -> dict[str, list[str]]:
-    rows = [line.strip("|").split("|") for line in report.splitlines() if line.startswith("| ")]
+    first_table = report[report.index("| run |"):].split("\n\n")[0]  # the guard section has a table of its own
+    rows = [line.strip("|").split("|") for line in first_table.splitlines() if line.startswith("| ")]
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
 
 
@@ -81,7 +82,8 @@ def test_report_files_table_and_verdicts(runs):
     assert table["baseline"][:5] == ["20", "6.2000", "6.0000", "+0.00%", "0"]
     assert table["fp8_close"][2:4] == ["6.0300", "+0.50%"] and table["fp8_far"][2:4] == ["6.3000", "+5.00%"]
     assert table["baseline"][5] == "baseline"
-    assert table["fp8_close"][5] == "within the 1% band (+0.50%)"
+    # inside the band, but a layer clipping 5% of its input on average is named
+    assert table["fp8_close"][5] == f"within the 1% band (+0.50%); still saturating: {LAYERS[0]} (5.00% on average)"
     far = table["fp8_far"][5]
     assert far.startswith("OUTSIDE the 1% band (+5.00%)")
     assert f"most saturation in {LAYERS[2]} (5.00%)" in far  # only the hot layer: zero-saturation layers not named
@@ -109,7 +111,7 @@ def test_spike_the_baseline_lacks_is_reported(runs):
     assert _report(str(runs / "baseline"), str(runs / "fp8_close"), "--output", str(runs / "r")).returncode == 0
     verdict = _table((runs / "r" / "report.md").read_text())["fp8_close"][5]
     spike = record["iteration"]
-    assert verdict == f"within the 1% band (+0.50%); loss spikes the baseline lacks at iterations [{spike}]"
+    assert verdict.startswith(f"within the 1% band (+0.50%); loss spikes the baseline lacks at iterations [{spike}]")
 
 
 def test_runs_without_validation_compare_final_training_loss(tmp_path):
@@ -146,3 +148,20 @@ def test_bad_run_directory_is_one_clear_error(runs, setup, message):
 def test_unknown_baseline_is_one_clear_error(runs):
     result = _report(str(runs / "baseline"), "--output", str(runs / "r"), "--baseline", "nope")
     assert result.returncode == 2 and "--baseline nope is not one of the runs ['baseline']" in result.stderr
+
+
+def test_report_shows_the_guard_switches(runs):
+    with open(runs / "fp8_far" / "metrics.jsonl", "a") as f:  # as megafp8.training.training_log writes them
+        f.write(json.dumps({"iteration": 12, "fp8_guard_switch": LAYERS[2], "saturated": 0.05}) + "\n")
+    out = runs / "report"
+    assert _report(str(runs / "baseline"), str(runs / "fp8_close"), str(runs / "fp8_far"), "--output", str(out)).returncode == 0
+    report = (out / "report.md").read_text()
+    assert f"| fp8_far | 12 | {LAYERS[2]} | 5.00% |" in report
+    assert f"the saturation guard moved {LAYERS[2]} to high precision at iteration 12" in _table(report)["fp8_far"][5]
+    assert "the saturation guard" not in _table(report)["fp8_close"][5]
+
+
+def test_report_says_when_no_layer_switched(runs):
+    out = runs / "report"
+    assert _report(str(runs / "baseline"), str(runs / "fp8_close"), "--output", str(out)).returncode == 0
+    assert "No run switched a layer to high precision." in (out / "report.md").read_text()

@@ -21,6 +21,7 @@ import numpy as np
 # Telemetry stats of megafp8.fp8.collect_fp8_telemetry; "flushed" is accepted as a short name.
 SATURATED, FLUSHED, AMAX = "saturated", "flushed_to_zero", "amax"
 SMOOTHING = 5  # final training loss: mean of the last N logged records (one step is noisy)
+PERSISTENT_SATURATION = 0.01  # a layer saturating more than this on average is named even inside the band
 
 
 class ReportError(Exception):
@@ -238,6 +239,10 @@ def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
         spike_note += "; the saturation guard moved " + ", ".join(
             f"{e['fp8_guard_switch']} to high precision at iteration {e['iteration']}" for e in run.guard_switches)
     if abs(gap) <= band:
+        saturating = [(layer, v) for layer, v in worst_layers(run, SATURATED) if v > PERSISTENT_SATURATION]
+        if saturating:  # inside the band for now, but a layer keeps clipping: say so
+            spike_note += "; still saturating: " + ", ".join(f"{layer} ({100 * v:.2f}% on average)"
+                                                            for layer, v in saturating)
         return f"within the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
     sentence = f"OUTSIDE the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
     saturated, flushed = worst_layers(run, SATURATED), worst_layers(run, FLUSHED)
