@@ -101,6 +101,10 @@ class DistributedOptimizer:
         ddp.release_fp8_param_storage()  # the master now holds those values
         self._publish()
         ddp.finish_param_sync()
+        # The training loop runs the saturation guard after the step, so a layer it switches has only FP8 bytes
+        # until the next publish: its first forward fetches its high-precision weight instead.
+        self._hook_handles = [info.module.register_forward_pre_hook(self._apply_guard_switches)
+                              for info in ddp.fp8_params.values()]
 
     # ---- ranges ---------------------------------------------------------------------------------
     def _make_fragments(self) -> list[Fragment]:
@@ -248,18 +252,36 @@ class DistributedOptimizer:
     # ---- publishing the new weights -------------------------------------------------------------
     def _publish(self) -> None:
         """Write every owned shard into the model (high precision, or FP8 bytes for FP8 layers under
-        --fp8-param-gather), then start the DP all-gather."""
+        --fp8-param-gather), then start the DP all-gather. A layer the saturation guard switched (in this
+        run, or in the run a checkpoint came from) is published in high precision."""
         invalidate_fp8_weight_caches(self.ddp.module)
+        self.ddp.take_guard_switches()
         fp8_frags = []
         for frag in self.fragments:
             if frag.param in self.ddp.fp8_params:
                 fp8_frags.append(frag)
-                continue
-            for b, s, n, _pl in self._chunks(frag):
-                frag.bucket.param_data[b:b + n].copy_(self._decode_master(frag, s, n))
+            else:
+                self._write_high_precision(frag)
         if self.ddp.fp8_params:
             self._publish_fp8(fp8_frags)
         self.ddp.start_param_sync()
+
+    def _write_high_precision(self, frag: Fragment) -> None:
+        for b, s, n, _pl in self._chunks(frag):
+            self.ddp.param_shard_view(frag.param, b, n).copy_(self._decode_master(frag, s, n))
+
+    @torch.no_grad()
+    def _apply_guard_switches(self, module: nn.Module, _args) -> None:
+        """Forward pre-hook of each layer whose weight is gathered as FP8 bytes: once the guard switched it,
+        every switched weight gets its high-precision values (the master as of the last step) before use."""
+        if not module.runs_high_precision or module.weight not in self.ddp.fp8_params:
+            return
+        switched = self.ddp.take_guard_switches()
+        params = {sw.param for sw in switched}
+        for frag in self.fragments:
+            if frag.param in params:
+                self._write_high_precision(frag)
+        self.ddp.gather_switched_weights(switched)
 
     def _publish_fp8(self, fp8_frags: list[Fragment]) -> None:
         """Cast each owned shard of an FP8 layer's weight to FP8 with scales every DP rank agrees on

@@ -1,6 +1,7 @@
 """Data parallelism: one contiguous main-grad buffer split into buckets, each reduced over DP as soon as
 its grads are complete (reduce-scatter for the distributed optimizer, all-reduce for plain DDP), and
-the bucketed parameter all-gather that follows a ZeRO step (high precision, or FP8 bytes).
+the bucketed parameter all-gather that follows a ZeRO step (high precision, or FP8 bytes; a weight the
+saturation guard moved out of FP8 travels in high precision beside its FP8 bucket: ``SwitchedWeight``).
 
 Layout (Megatron-Core's ``ParamAndGradBuffer``): parameters are laid out in reverse registration order
 (the order backward finishes them) in one flat buffer per parameter dtype. Every parameter starts on a
@@ -110,6 +111,30 @@ class Bucket:
         return dp_rank * size, (dp_rank + 1) * size
 
 
+@dataclass(eq=False)
+class SwitchedWeight:
+    """The weight of an FP8-bucket layer that the saturation guard moved to high precision (--fp8-param-gather).
+
+    Its bucket keeps its FP8 layout (the grad buffer, the optimizer's shards and every other weight stay where
+    they are); its high-precision values travel in an all-gather of their own, one per publish, in which
+    each DP rank sends its owned piece padded to the longest piece (``piece_numel``). ``weight`` is the
+    whole weight (``param.data`` views it); ``shard`` is this rank's padded piece, written by the optimizer.
+    """
+
+    param: nn.Parameter
+    bucket: Bucket
+    pieces: list[tuple[int, int]]  # per DP rank: the [lo, hi) of the flat weight it owns (may be empty)
+    owned_bucket_lo: int           # where this rank's piece starts in the bucket
+    shard: torch.Tensor
+    weight: torch.Tensor
+    pending: bool = False  # the shard holds values not gathered yet
+    work: object = None
+
+    @property
+    def piece_numel(self) -> int:
+        return self.shard.numel()
+
+
 def _align(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -161,7 +186,10 @@ class DistributedDataParallel(nn.Module):
         self.distributed = self.config.use_distributed_optimizer
         module = self.module
         self.param_names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+        # The weights gathered as FP8 bytes: those of FP8 layers, until the saturation guard switches one
+        # (take_guard_switches moves it to switched_weights; its bucket keeps the FP8 layout).
         self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
+        self.switched_weights: dict[nn.Parameter, SwitchedWeight] = {}
         self.tied_embedding_params = _tied_embedding_params(module, parallel_state)
         grad_dtype = torch.bfloat16 if self.config.grad_reduce_in_bf16 else torch.float32
         params = [p for p in module.parameters() if p.requires_grad]
@@ -311,6 +339,67 @@ class DistributedDataParallel(nn.Module):
                     p.data = torch.zeros(1, dtype=p.dtype, device=p.device).expand(p.shape)
                 bucket.param_data = None
 
+    def take_guard_switches(self) -> list[SwitchedWeight]:
+        """Move the weights of FP8 layers that now run in high precision (the saturation guard switched them)
+        off the FP8 path: each gets a whole high-precision weight (``param.data``) and a padded shard for its
+        own all-gather. Returns the newly switched; their values arrive with the next gather of their shards."""
+        new = []
+        for p, info in list(self.fp8_params.items()):
+            if not info.module.runs_high_precision:
+                continue
+            del self.fp8_params[p]
+            bucket = self.bucket_of[p]
+            start, end = bucket.ranges[p]
+            pieces = []
+            for r in range(self.dp.size):
+                lo, hi = bucket.shard_range(r, self.dp.size, True)
+                lo, hi = max(start, lo), min(end, hi)
+                pieces.append((lo - start, hi - start) if lo < hi else (0, 0))
+            device = bucket.grad_data.device
+            weight = torch.zeros(p.shape, dtype=p.dtype, device=device)
+            shard = torch.zeros(max(hi - lo for lo, hi in pieces), dtype=p.dtype, device=device)
+            p.data = weight
+            info.module.invalidate_weight_cache()
+            if bucket.fp8_data is not None:
+                bucket.fp8_data[start:end].zero_()  # still gathered with the bucket, never read again
+            self.switched_weights[p] = SwitchedWeight(p, bucket, pieces, start + pieces[self.dp.rank][0], shard, weight)
+            new.append(self.switched_weights[p])
+        return new
+
+    def param_shard_view(self, param: nn.Parameter, bucket_lo: int, n: int) -> torch.Tensor:
+        """Where the owner of elements ``[bucket_lo, bucket_lo + n)`` of ``param``'s bucket writes their
+        high-precision values before the gather (not for weights gathered as FP8 bytes)."""
+        switched = self.switched_weights.get(param)
+        if switched is not None:
+            lo = bucket_lo - switched.owned_bucket_lo
+            return switched.shard[lo:lo + n]
+        return self.bucket_of[param].param_data[bucket_lo:bucket_lo + n]
+
+    def gather_switched_weights(self, switched: list[SwitchedWeight]) -> None:
+        """All-gather these switched weights' shards now (a switch between two publishes)."""
+        for sw in switched:
+            sw.pending = True
+            self._start_switched_gather(sw)
+        for sw in switched:
+            self._finish_switched_gather(sw)
+
+    def _start_switched_gather(self, sw: SwitchedWeight) -> None:
+        if sw.pending and sw.work is None:
+            gathered = torch.empty(self.dp.size * sw.piece_numel, dtype=sw.shard.dtype, device=sw.shard.device)
+            sw.work = C.all_gather_into_tensor_async(gathered, sw.shard, self.dp, "dp_param_allgather")
+
+    def _finish_switched_gather(self, sw: SwitchedWeight) -> None:
+        if not sw.pending:
+            return
+        self._start_switched_gather(sw)
+        gathered, flat = sw.work.wait(), sw.weight.view(-1)
+        for r, (lo, hi) in enumerate(sw.pieces):
+            flat[lo:hi].copy_(gathered[r * sw.piece_numel:r * sw.piece_numel + hi - lo])
+        sw.work, sw.pending = None, False
+
+    def _switched_in(self, bucket: Bucket) -> list[SwitchedWeight]:
+        return [sw for sw in self.switched_weights.values() if sw.bucket is bucket]
+
     def start_param_sync(self) -> None:
         """After the optimizer wrote each rank's owned shard: all-gather every bucket now, or (with
         --overlap-param-gather) on demand in the next forward, one bucket ahead."""
@@ -319,6 +408,8 @@ class DistributedDataParallel(nn.Module):
             return
         for bucket in self.buckets:
             bucket.param_sync_pending = True
+        for sw in self.switched_weights.values():
+            sw.pending = True
         if not self.config.overlap_param_gather:
             self.finish_param_sync()
 
@@ -328,6 +419,8 @@ class DistributedDataParallel(nn.Module):
     def _start_param_gather(self, bucket: Bucket) -> None:
         if not bucket.param_sync_pending or bucket.param_work is not None:
             return
+        for sw in self._switched_in(bucket):
+            self._start_switched_gather(sw)
         data = self._gather_source(bucket)
         if self.dp.size == 1:
             bucket.param_work = True
@@ -343,6 +436,8 @@ class DistributedDataParallel(nn.Module):
         if bucket.param_work is not True:
             bucket.param_work.wait()
         bucket.param_work, bucket.param_sync_pending = None, False
+        for sw in self._switched_in(bucket):
+            self._finish_switched_gather(sw)
         if bucket.fp8:
             self._inject_fp8_weights(bucket)
 
@@ -364,7 +459,9 @@ class DistributedDataParallel(nn.Module):
 
     def _inject_fp8_weights(self, bucket: Bucket) -> None:
         for p in bucket.params:
-            info = self.fp8_params[p]
+            info = self.fp8_params.get(p)
+            if info is None:  # switched to high precision by the saturation guard
+                continue
             start, end = bucket.ranges[p]
             fp8_dtype = info.recipe.dtype("weight")
             data = bucket.fp8_data[start:end].view(fp8_dtype).view(p.shape)
@@ -383,6 +480,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             tensors += [t for t in (bucket.param_data, bucket.fp8_data) if t is not None]
         tensors += [info.scale_inv for info in self.fp8_params.values() if info.scale_inv is not None]
+        tensors += [t for sw in self.switched_weights.values() for t in (sw.shard, sw.weight)]
         return tensors
 
     def num_params(self) -> int:

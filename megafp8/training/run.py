@@ -43,14 +43,8 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
     fp8 = Fp8Recipe.from_args(args) is not None
     guard = None
-    if fp8 and args.fp8_saturation_guard and args.fp8_param_gather:
-        # Moving a layer to high precision needs its high-precision weight, which only the ZeRO owners hold
-        # under --fp8-param-gather: the guard would break the layer, so it stays off (docs/training.md).
-        if parallel_state.rank == 0:
-            print(" fp8 saturation guard: off under --fp8-param-gather (telemetry still reports saturation)",
-                  flush=True)
-    elif fp8 and args.fp8_saturation_guard:
-        guard = saturation_guard(parallel_state)
+    if fp8 and args.fp8_saturation_guard:
+        guard = saturation_guard(parallel_state, args.fp8_saturation_guard_threshold, args.fp8_saturation_guard_patience)
     checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
     progress = None
     if args.load:
