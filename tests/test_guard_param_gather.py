@@ -193,15 +193,16 @@ def test_guard_switch_with_overlap_param_gather(tmp_path):
 PRETRAIN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1",
-            "--split", "100,0,0", "--train-iters", "6", "--use-distributed-optimizer", "--fp8-param-gather",
-            "--fp8-format", "hybrid", "--fp8-saturation-guard-patience", "3"]
+            "--split", "100,0,0", "--train-iters", "6", "--use-distributed-optimizer", "--fp8-format", "hybrid",
+            "--fp8-saturation-guard-patience", "3"]
 
 
-def _pretrain(tmp, *flags: str) -> subprocess.CompletedProcess:
+def _pretrain(tmp, *flags: str, param_gather: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", FORCED_OVERFLOW_ENV: "layers.1.mlp.linear_fc2@1x16"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              "-m", "megafp8.pretrain", *PRETRAIN, "--data-path", f"{tmp}/synthetic_text_document",
-                             *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+                             *(["--fp8-param-gather"] if param_gather else []), *flags],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
 
@@ -218,6 +219,11 @@ def test_pretrain_guard_switch_under_fp8_param_gather_resumes(tmp_path):
     assert "layers.1.mlp.linear_fc2 saturated" in straight.stdout and "at iteration 3: switched" in straight.stdout
     losses = _logged_losses(f"{tmp_path}/a")
     assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(v) for v in losses.values())
+    # The reference: every weight gathered in high precision, the same layer switched at the same iteration.
+    high_precision = _pretrain(tmp_path, "--log-dir", f"{tmp_path}/hp", param_gather=False)
+    assert "at iteration 3: switched" in high_precision.stdout
+    reference = _logged_losses(f"{tmp_path}/hp")
+    assert max(abs(losses[i] - reference[i]) / reference[i] for i in reference) < 1e-6, (losses, reference)
     # Resume from iteration 4 (the switch is in the checkpoint; the forced overflow stays armed, so a layer that
     # came back in FP8 would saturate and change the losses).
     shutil.copytree(f"{tmp_path}/save/iter_0000004", f"{tmp_path}/resume/iter_0000004")
