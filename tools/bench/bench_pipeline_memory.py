@@ -14,11 +14,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_gloo import run_on_gloo  # beside this script
 
 sys.path.insert(0, os.getcwd())  # run from the checkout's root
 
@@ -54,9 +53,8 @@ def _one_microbatch(pipe, model_config) -> int:
     return total
 
 
-def _measure(rank: int, pp: int, init_file: str, args: argparse.Namespace, out_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
+def _measure(rank: int, args: argparse.Namespace) -> dict:
+    pp = args.pp
     from megafp8.model import ModelConfig
     from megafp8.parallel.parallel_state import ParallelState
     from megafp8.parallel.pipeline import build_pipeline
@@ -77,11 +75,7 @@ def _measure(rank: int, pp: int, init_file: str, args: argparse.Namespace, out_f
         gathered = [None] * pp
         dist.all_gather_object(gathered, (meter.peak_bytes, per_microbatch))
         results[name] = gathered
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -95,11 +89,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--output", default=None, help="also write the numbers as JSON here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "result.json")
-        mp.spawn(_measure, args=(args.pp, os.path.join(tmp, "rendezvous"), args, out_file), nprocs=args.pp)
-        with open(out_file) as f:
-            results = json.load(f)
+    results = run_on_gloo(_measure, args.pp, args)
     print(f"PP={args.pp}, {args.num_layers} layers, h={args.hidden_size}, s={args.seq_length}, "
           f"micro-batch {args.micro_batch_size}, {args.microbatches} micro-batches; peak saved MiB per stage "
           "(micro-batches in flight = peak / one micro-batch's saved bytes on that rank)")

@@ -15,11 +15,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_gloo import run_on_gloo  # beside this script
 
 sys.path.insert(0, os.getcwd())  # the checkout being measured (run from its root)
 
@@ -45,9 +43,8 @@ class _SavedBytes:
         self._hooks.__exit__(*exc)
 
 
-def _measure(rank: int, tp: int, init_file: str, args: argparse.Namespace, out_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+def _measure(rank: int, args: argparse.Namespace) -> dict:
+    tp = args.tp
     from megafp8.fp8 import Fp8Recipe
     from megafp8.model import GPTModel, ModelConfig
     from megafp8.parallel.parallel_state import ParallelState
@@ -73,11 +70,7 @@ def _measure(rank: int, tp: int, init_file: str, args: argparse.Namespace, out_f
             layer(x, model.rotary(s)).float().sum().backward()
         results[name] = {"column_parallel_linear": column_saved.nbytes, "transformer_layer": layer_saved.nbytes,
                          "local_input_bytes_1B": s // tp * b * h}
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -90,11 +83,7 @@ def main() -> None:
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "results.json")
-        mp.spawn(_measure, args=(args.tp, os.path.join(tmp, "rendezvous"), args, out_file), nprocs=args.tp)
-        with open(out_file) as f:
-            results = json.load(f)
+    results = run_on_gloo(_measure, args.tp, args)
     print(f"TP={args.tp} + SP, s={args.seq_length} b={args.micro_batch_size} h={args.hidden_size} "
           f"ffn={args.ffn_hidden_size}: bytes saved for backward on one rank")
     for name, row in results.items():
