@@ -165,3 +165,10 @@ def test_report_says_when_no_layer_switched(runs):
     out = runs / "report"
     assert _report(str(runs / "baseline"), str(runs / "fp8_close"), "--output", str(out)).returncode == 0
     assert "No run switched a layer to high precision." in (out / "report.md").read_text()
+
+
+def test_spikes_early_in_the_run_count_too():
+    """A spike before `window` logged points (the forced overflow at 1/5 of a short run) is still found."""
+    losses = [8.0, 7.5, 7.0, 6.8, 9.0, 6.5, 6.4]
+    run = fp8_report.Run("r", None, [{"iteration": 10 * (i + 1), "lm_loss": v} for i, v in enumerate(losses)], [])
+    assert run.spikes() == [50]

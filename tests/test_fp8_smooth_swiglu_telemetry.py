@@ -110,7 +110,7 @@ def test_telemetry_reports_saturation_and_flush_and_guard_switches_layer():
     guard = SaturationGuard(threshold=0.01, patience=2)
     assert guard.check(layer, iteration=1) == []
     messages = guard.check(layer, iteration=2)
-    assert len(messages) == 1 and "switched to BF16" in messages[0] and "iteration 2" in messages[0]
+    assert len(messages) == 1 and "switched to high precision" in messages[0] and "iteration 2" in messages[0]
     assert layer.guard_high_precision and layer.runs_high_precision
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), "a switched layer runs in high precision"
 

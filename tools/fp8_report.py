@@ -44,11 +44,12 @@ class Run:
         losses = [r["lm_loss"] for r in self.train if r.get("lm_loss") is not None]
         return float(np.mean(losses[-SMOOTHING:]))
 
-    def spikes(self, ratio: float = 1.1, window: int = 10) -> list[int]:
-        """Iterations whose loss exceeds `ratio` x the median of the previous `window` logged losses."""
+    def spikes(self, ratio: float = 1.1, window: int = 10, min_history: int = 3) -> list[int]:
+        """Iterations whose loss exceeds `ratio` x the median of the previous `window` logged losses (fewer,
+        but at least `min_history`, early in the run: a spike there counts too)."""
         points = [(r["iteration"], r["lm_loss"]) for r in self.train if r.get("lm_loss") is not None]
         return [it for i, (it, loss) in enumerate(points)
-                if i >= window and loss > ratio * float(np.median([l for _, l in points[i - window:i]]))]
+                if i >= min_history and loss > ratio * float(np.median([l for _, l in points[max(0, i - window):i]]))]
 
 
 def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
@@ -103,7 +104,7 @@ def _read_telemetry(run_dir: Path) -> dict:
 def load_run(path: str) -> Run:
     run_dir = Path(path)
     if not run_dir.is_dir():
-        raise ReportError(f"run directory {run_dir} does not exist")
+        raise ReportError(f"run directory {run_dir} " + ("is not a directory" if run_dir.exists() else "does not exist"))
     train, valid, switches = _read_metrics(run_dir)
     return Run(run_dir.resolve().name, run_dir, train, valid, switches, _read_telemetry(run_dir))
 
@@ -138,13 +139,13 @@ def layer_matrix(run: Run, stat: str) -> tuple[list[str], list[int], np.ndarray]
 
 
 def worst_layers(run: Run, stat: str, top: int = 3) -> list[tuple[str, float]]:
-    """Layers with the highest mean (over steps) of `stat`'s max over roles, nonzero only."""
+    """Layers with the highest mean (over steps) of `stat`'s max over roles, at least 0.01% (as printed)."""
     layers, _, matrix = layer_matrix(run, stat)
     if not layers:
         return []
     means = np.nanmean(matrix, axis=1)
     order = np.argsort(-means)[:top]
-    return [(layers[i], float(means[i])) for i in order if means[i] > 0]
+    return [(layers[i], float(means[i])) for i in order if means[i] >= 5e-5]  # 0.01% as printed
 
 
 def _plot_losses(runs: list[Run], seq_length: int | None, output: Path) -> None:
@@ -239,7 +240,9 @@ def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
         spike_note += "; the saturation guard moved " + ", ".join(
             f"{e['fp8_guard_switch']} to high precision at iteration {e['iteration']}" for e in run.guard_switches)
     if abs(gap) <= band:
-        saturating = [(layer, v) for layer, v in worst_layers(run, SATURATED) if v > PERSISTENT_SATURATION]
+        switched = {e["fp8_guard_switch"] for e in run.guard_switches}  # saturated until the switch, not since
+        saturating = [(layer, v) for layer, v in worst_layers(run, SATURATED)
+                      if v > PERSISTENT_SATURATION and layer not in switched]
         if saturating:  # inside the band for now, but a layer keeps clipping: say so
             spike_note += "; still saturating: " + ", ".join(f"{layer} ({100 * v:.2f}% on average)"
                                                             for layer, v in saturating)

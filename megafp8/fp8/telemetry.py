@@ -1,5 +1,5 @@
 """FP8 telemetry: per tensor amax, scale, fraction saturated and fraction flushed to zero; and a guard
-that moves a persistently saturating layer to BF16.
+that moves a persistently saturating layer to high precision.
 
 Off by default; the training loop turns it on for the iterations it logs (every --log-interval), so the
 extra elementwise pass over each quantized tensor is paid only on those. That pass runs over row chunks of
@@ -133,7 +133,7 @@ class SaturationGuard:
                 self.events.append({"iteration": iteration, "layer": name, "saturated": fraction})
                 at = f" at iteration {iteration}" if iteration is not None else ""
                 messages.append(f"fp8 guard: {name or 'model'} saturated {fraction:.2%} > {self.threshold:.2%} for "
-                                f"{self.patience} checks{at}: switched to BF16")
+                                f"{self.patience} checks{at}: switched to high precision")
         return messages
 
     def take_events(self) -> list[dict]:
