@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         parallel_state.validate_model(config, global_batch_size=args.global_batch_size,
                                       micro_batch_size=args.micro_batch_size)
         parse_data_path(args.data_path)  # every prefix exists
+        if os.environ.get("MEGAFP8_FORCE_FP8_OVERFLOW"):  # a test hook (megafp8/fp8/forced_overflow.py)
+            from megafp8.fp8.forced_overflow import check_forced_overflow
+
+            check_forced_overflow(args.fp8_format, args.fp8_recipe)
     except (ArgumentError, LayoutError, ValueError, FileNotFoundError) as e:
         return _fail(str(e))
 

@@ -159,3 +159,15 @@ def test_hook_naming_no_layer_fails_clearly(data_prefix, tmp_path):
                              "--train-iters", "1"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=TIMEOUT, env=env)
     assert result.returncode != 0 and f"{ENV}: the model has no layer 'layers.9.mlp.linear_fc2'" in result.stderr
+
+
+@pytest.mark.parametrize("spec, flags, message", [
+    ("layers.0.mlp.linear_fc2@x", [], f"{ENV}='layers.0.mlp.linear_fc2@x': expected LAYER@ITERATION"),
+    ("layers.0.mlp.linear_fc2@1", ["--fp8-recipe", "rowwise"], "--fp8-recipe delayed or tensorwise"),
+])
+def test_bad_hook_fails_before_training_with_one_line(spec, flags, message, data_prefix):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ENV: spec}
+    result = subprocess.run([sys.executable, "-m", "megafp8.pretrain", *RUN[:-4], *flags, "--data-path", data_prefix,
+                             "--train-iters", "1"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=TIMEOUT, env=env)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -58,6 +58,15 @@ class ForcedOverflow:
             module.forced_overflow_factor = self.factor if iteration >= self.from_iteration else None
 
 
+def check_forced_overflow(fp8_format: str | None, fp8_recipe: str) -> ForcedOverflow | None:
+    """The hook's spec from the environment, checked against the run's FP8 flags (before any process group)."""
+    hook = ForcedOverflow.from_env()
+    if hook is not None and (fp8_format is None or fp8_recipe not in ("delayed", "tensorwise")):
+        raise ValueError(f"{ENV} forces an FP8 input to overflow: it needs --fp8-format and --fp8-recipe "
+                         f"delayed or tensorwise (per-tensor input scales), got {fp8_format} / {fp8_recipe}")
+    return hook
+
+
 def overflowing_scale(x2d: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype,
                       granularity: Granularity, power_of_2_scale: bool, factor: float) -> torch.Tensor:
     """The layer's input scale (delayed, or the current one from x's amax) times `factor`."""
