@@ -1,7 +1,7 @@
 """Data parallelism: one contiguous main-grad buffer split into buckets, each reduced over DP as soon as
 its grads are complete (reduce-scatter for the distributed optimizer, all-reduce for plain DDP), and
 the bucketed parameter all-gather that follows a ZeRO step (high precision, or FP8 bytes; a weight the
-saturation guard moved out of FP8 travels in high precision beside its FP8 bucket: ``SwitchedWeight``).
+saturation guard moved out of FP8 travels in high precision beside its FP8 bucket: switched_weight.py).
 
 Layout (Megatron-Core's ``ParamAndGradBuffer``): parameters are laid out in reverse registration order
 (the order backward finishes them) in one flat buffer per parameter dtype. Every parameter starts on a
@@ -34,6 +34,7 @@ from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.switched_weight import SwitchedWeight
 
 ALIGN = 128  # elements; also the optimizer's codec group size
 
@@ -109,30 +110,6 @@ class Bucket:
             return 0, self.numel
         size = self.numel // dp_size
         return dp_rank * size, (dp_rank + 1) * size
-
-
-@dataclass(eq=False)
-class SwitchedWeight:
-    """The weight of an FP8-bucket layer that the saturation guard moved to high precision (--fp8-param-gather).
-
-    Its bucket keeps its FP8 layout (the grad buffer, the optimizer's shards and every other weight stay where
-    they are); its high-precision values travel in an all-gather of their own, one per publish, in which
-    each DP rank sends its owned piece padded to the longest piece (``piece_numel``). ``weight`` is the
-    whole weight (``param.data`` views it); ``shard`` is this rank's padded piece, written by the optimizer.
-    """
-
-    param: nn.Parameter
-    bucket: Bucket
-    pieces: list[tuple[int, int]]  # per DP rank: the [lo, hi) of the flat weight it owns (may be empty)
-    owned_bucket_lo: int           # where this rank's piece starts in the bucket
-    shard: torch.Tensor
-    weight: torch.Tensor
-    pending: bool = False  # the shard holds values not gathered yet
-    work: object = None
-
-    @property
-    def piece_numel(self) -> int:
-        return self.shard.numel()
 
 
 def _align(n: int, multiple: int) -> int:
@@ -348,21 +325,8 @@ class DistributedDataParallel(nn.Module):
             if not info.module.runs_high_precision:
                 continue
             del self.fp8_params[p]
-            bucket = self.bucket_of[p]
-            start, end = bucket.ranges[p]
-            pieces = []
-            for r in range(self.dp.size):
-                lo, hi = bucket.shard_range(r, self.dp.size, True)
-                lo, hi = max(start, lo), min(end, hi)
-                pieces.append((lo - start, hi - start) if lo < hi else (0, 0))
-            device = bucket.grad_data.device
-            weight = torch.zeros(p.shape, dtype=p.dtype, device=device)
-            shard = torch.zeros(max(hi - lo for lo, hi in pieces), dtype=p.dtype, device=device)
-            p.data = weight
+            self.switched_weights[p] = SwitchedWeight.take(p, self.bucket_of[p], self.dp)
             info.module.invalidate_weight_cache()
-            if bucket.fp8_data is not None:
-                bucket.fp8_data[start:end].zero_()  # still gathered with the bucket, never read again
-            self.switched_weights[p] = SwitchedWeight(p, bucket, pieces, start + pieces[self.dp.rank][0], shard, weight)
             new.append(self.switched_weights[p])
         return new
 
@@ -379,23 +343,9 @@ class DistributedDataParallel(nn.Module):
         """All-gather these switched weights' shards now (a switch between two publishes)."""
         for sw in switched:
             sw.pending = True
-            self._start_switched_gather(sw)
+            sw.start_gather(self.dp)
         for sw in switched:
-            self._finish_switched_gather(sw)
-
-    def _start_switched_gather(self, sw: SwitchedWeight) -> None:
-        if sw.pending and sw.work is None:
-            gathered = torch.empty(self.dp.size * sw.piece_numel, dtype=sw.shard.dtype, device=sw.shard.device)
-            sw.work = C.all_gather_into_tensor_async(gathered, sw.shard, self.dp, "dp_param_allgather")
-
-    def _finish_switched_gather(self, sw: SwitchedWeight) -> None:
-        if not sw.pending:
-            return
-        self._start_switched_gather(sw)
-        gathered, flat = sw.work.wait(), sw.weight.view(-1)
-        for r, (lo, hi) in enumerate(sw.pieces):
-            flat[lo:hi].copy_(gathered[r * sw.piece_numel:r * sw.piece_numel + hi - lo])
-        sw.work, sw.pending = None, False
+            sw.finish_gather(self.dp)
 
     def _switched_in(self, bucket: Bucket) -> list[SwitchedWeight]:
         return [sw for sw in self.switched_weights.values() if sw.bucket is bucket]
@@ -420,7 +370,7 @@ class DistributedDataParallel(nn.Module):
         if not bucket.param_sync_pending or bucket.param_work is not None:
             return
         for sw in self._switched_in(bucket):
-            self._start_switched_gather(sw)
+            sw.start_gather(self.dp)
         data = self._gather_source(bucket)
         if self.dp.size == 1:
             bucket.param_work = True
@@ -437,7 +387,7 @@ class DistributedDataParallel(nn.Module):
             bucket.param_work.wait()
         bucket.param_work, bucket.param_sync_pending = None, False
         for sw in self._switched_in(bucket):
-            self._finish_switched_gather(sw)
+            sw.finish_gather(self.dp)
         if bucket.fp8:
             self._inject_fp8_weights(bucket)
 
