@@ -51,11 +51,9 @@ class ForcedOverflow:
             raise ValueError(f"{ENV}: {self.layer!r} is not an FP8 linear layer")
         return module
 
-    def apply(self, model: nn.Module, iteration: int) -> None:
-        """Arm the layer's overflow from `from_iteration` on (call before each training iteration)."""
-        module = self.target(model)
-        if module is not None:
-            module.forced_overflow_factor = self.factor if iteration >= self.from_iteration else None
+    def arm(self, layer: nn.Module, iteration: int) -> None:
+        """Arm `layer` (this hook's target) from `from_iteration` on (call before each training iteration)."""
+        layer.forced_overflow_factor = self.factor if iteration >= self.from_iteration else None
 
 
 def check_forced_overflow(fp8_format: str | None, fp8_recipe: str) -> ForcedOverflow | None:

@@ -87,10 +87,15 @@ def _mean_over(value: torch.Tensor, group) -> float:
     return value.item()
 
 
-def _flag_tensor(value: bool) -> torch.Tensor:
-    """A one-element flag on the device the default process group reduces (CUDA under NCCL)."""
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    return torch.tensor([float(value)], device=torch.cuda.current_device() if nccl else "cpu")
+def _on_any_rank(value: bool) -> bool:
+    """True on every rank if `value` is True on any (one MAX all-reduce over the world; the flag lives on the
+    device the default group reduces: CUDA under NCCL)."""
+    if not dist.is_initialized():
+        return value
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([float(value)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3) -> SaturationGuard:
@@ -117,7 +122,7 @@ class Trainer:
         self.log = TrainingLog(args.log_dir, args.tensorboard_dir) if self.is_logging_rank else TrainingLog()
         # Each pipeline stage's first TP/DP rank speaks for the saturation guard's switches of its layers.
         self.is_stage_lead = parallel_state.coords.tp == 0 and parallel_state.coords.dp == 0
-        self.forced_overflow = self._forced_overflow()
+        self.forced_overflow, self.forced_overflow_layer = self._forced_overflow()
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
         self.valid_batches = batches(self.valid_data, 0, args, parallel_state, cycle=True) if self.valid_data else None
@@ -140,8 +145,8 @@ class Trainer:
         inputs, labels = self._global_batch(self.train_batches)
         injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
         loss_mask = torch.full(labels.shape, float("nan")) if injected_nan else None  # the test hook above
-        if self.forced_overflow is not None:
-            self.forced_overflow.apply(self.ddp.module, self.progress.iteration + 1)
+        if self.forced_overflow_layer is not None:
+            self.forced_overflow.arm(self.forced_overflow_layer, self.progress.iteration + 1)
         loss = self.pipeline.step(inputs, labels, loss_mask)  # also the FP8 amax reduction and scale update
         result = self.optimizer.step(self.schedule(self.progress.consumed_samples))  # finishes the DP grad sync
         if self.guard is not None:
@@ -204,10 +209,7 @@ class Trainer:
         must save it): one MAX all-reduce of the local verdict."""
         limit = self.args.exit_duration_in_mins
         out_of_time = limit is not None and time.monotonic() - start_time > 60 * limit
-        flag = _flag_tensor(stop.requested or out_of_time)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _on_any_rank(stop.requested or out_of_time)
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry) -> None:
         tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
@@ -238,21 +240,20 @@ class Trainer:
             for event in events:
                 self.log.log_guard_switch(**event)
 
-    def _forced_overflow(self) -> ForcedOverflow | None:
-        """The forced-overflow test hook (megafp8.fp8.forced_overflow), checked to name a layer of some stage."""
+    def _forced_overflow(self) -> tuple[ForcedOverflow | None, torch.nn.Module | None]:
+        """The forced-overflow test hook (megafp8.fp8.forced_overflow), checked to name a layer of some stage,
+        and that layer if this rank holds it (looked up once, not every step)."""
         hook = ForcedOverflow.from_env()
         if hook is None:
-            return None
-        found = _flag_tensor(hook.target(self.ddp.module) is not None)
-        if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if not found.item():
+            return None, None
+        layer = hook.target(self.ddp.module)
+        if not _on_any_rank(layer is not None):
             raise ValueError(f"{FORCED_OVERFLOW_ENV}: the model has no layer {hook.layer!r} (names as in the FP8 "
                              "telemetry tags, e.g. layers.0.mlp.linear_fc2)")
         if self.is_logging_rank:
             print(f" test hook {FORCED_OVERFLOW_ENV}: {hook.layer}'s FP8 input scale x{hook.factor:g} from iteration "
                   f"{hook.from_iteration}", flush=True)
-        return hook
+        return hook, layer
 
     def _log_validation(self, val_loss: float) -> None:
         if self.is_logging_rank:
