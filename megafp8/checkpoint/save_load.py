@@ -300,6 +300,3 @@ def _restore_guard(guard: Any, rank_states: list[dict], model: Models) -> None:
     for chunk in [model] if isinstance(model, nn.Module) else list(model):
         mine = switched & {name for name, _ in chunk.named_modules()}
         guard.load_state_dict({"strikes": strikes, "switched": sorted(mine)}, chunk)
-        # SaturationGuard.load_state_dict switches the layers but does not record them in `switched`;
-        # record them here so the next checkpoint keeps them.
-        guard.switched.update(mine)

@@ -151,3 +151,4 @@ class SaturationGuard:
                 raise KeyError(f"saturation guard state names layer {name!r}, which this model does not have")
             modules[name].guard_high_precision = True
             modules[name].fp8_telemetry.clear()
+            self.switched.add(name)  # so the next checkpoint keeps it
