@@ -235,19 +235,19 @@ def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
     if run is baseline:
         return "baseline"
     extra_spikes = sorted(set(run.spikes()) - set(baseline.spikes()))
-    spike_note = f"; loss spikes the baseline lacks at iterations {extra_spikes}" if extra_spikes else ""
+    notes = f"; loss spikes the baseline lacks at iterations {extra_spikes}" if extra_spikes else ""
     if run.guard_switches:
-        spike_note += "; the saturation guard moved " + ", ".join(
+        notes += "; the saturation guard moved " + ", ".join(
             f"{e['fp8_guard_switch']} to high precision at iteration {e['iteration']}" for e in run.guard_switches)
     if abs(gap) <= band:
         switched = {e["fp8_guard_switch"] for e in run.guard_switches}  # saturated until the switch, not since
         saturating = [(layer, v) for layer, v in worst_layers(run, SATURATED)
                       if v > PERSISTENT_SATURATION and layer not in switched]
         if saturating:  # inside the band for now, but a layer keeps clipping: say so
-            spike_note += "; still saturating: " + ", ".join(f"{layer} ({100 * v:.2f}% on average)"
-                                                            for layer, v in saturating)
-        return f"within the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
-    sentence = f"OUTSIDE the {100 * band:g}% band ({100 * gap:+.2f}%){spike_note}"
+            notes += "; still saturating: " + ", ".join(f"{layer} ({100 * v:.2f}% on average)"
+                                                       for layer, v in saturating)
+        return f"within the {100 * band:g}% band ({100 * gap:+.2f}%){notes}"
+    sentence = f"OUTSIDE the {100 * band:g}% band ({100 * gap:+.2f}%){notes}"
     saturated, flushed = worst_layers(run, SATURATED), worst_layers(run, FLUSHED)
     if not run.telemetry:
         return sentence + "; no FP8 telemetry logged to explain it (run with --log-fp8-telemetry --tensorboard-dir)"
