@@ -23,6 +23,7 @@ also call ``tensor_parallel.allreduce_sequence_parallel_grads`` or the pipeline'
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -129,14 +130,17 @@ def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.
 def _tied_embedding_params(module: nn.Module, parallel_state: ParallelState) -> set[nn.Parameter]:
     """The two copies of a tied embedding split over pipeline stages: the last stage's output weight
     (tagged ``shared_embedding`` by the model) and the first stage's embedding weight of a model chunk
-    that ties its embeddings but holds no output head."""
+    that ties its embeddings but holds no output head. On a V layout one rank holds both ends and its
+    head uses the embedding Parameter itself: nothing to sum across stages (the last pipeline rank holds
+    no embedding and never joins the embedding group's collective)."""
     if parallel_state.pp_size == 1:
         return set()
     params = {p for p in module.parameters() if getattr(p, "shared_embedding", False)}
+    heads = {getattr(m.output_layer, "weight", None) for m in module.modules() if getattr(m, "post_process", False)}
     for m in module.modules():
         config = getattr(m, "config", None)
         if getattr(config, "tie_embeddings", False) and getattr(m, "pre_process", False) \
-                and not getattr(m, "post_process", False):
+                and not getattr(m, "post_process", False) and m.embedding.weight not in heads:
             params.add(m.embedding.weight)
     return params
 
@@ -163,6 +167,11 @@ class DistributedDataParallel(nn.Module):
         self.distributed = self.config.use_distributed_optimizer
         module = self.module
         self.param_names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+        # Separate backward passes per micro-batch that reach a parameter: one per pipeline chunk using it
+        # (a V schedule's tied embedding feeds the first chunk and the head of the last: two).
+        parts = list(module) if isinstance(module, nn.ModuleList) else chunks
+        uses = collections.Counter(p for part in parts for p in part.parameters())
+        self.backward_passes = {p: n for p, n in uses.items() if n > 1}
         # The weights gathered as FP8 bytes: those of FP8 layers, until the saturation guard switches one
         # (take_guard_switches moves it to switched_weights; its bucket keeps the FP8 layout).
         self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
@@ -242,7 +251,8 @@ class DistributedDataParallel(nn.Module):
                         "ddp.num_microbatches to the number of backward passes per iteration")
                 bucket.ready[param] = bucket.ready.get(param, 0) + 1
                 if len(bucket.ready) == len(bucket.params) and bucket.grad_work is None and not bucket.deferred \
-                        and min(bucket.ready.values()) >= self.num_microbatches:
+                        and all(n >= self.num_microbatches * self.backward_passes.get(p, 1)
+                                for p, n in bucket.ready.items()):
                     self._start_grad_reduce(bucket)
         return hook
 
