@@ -104,8 +104,9 @@ def run_case(case: Case, world_size: int, step_hook=None) -> Pipeline:
     dp, dp_rank = ps.dp_size, ps.coords.dp
     reference = build_pipeline(cfg, ParallelState().init_process_groups(), micro_batch_size=case.micro_batch_size,
                                num_microbatches=case.microbatches * dp, fp8_recipe=recipe)
+    # torch's split weight-gradient pass where it applies: these gradients are read from .grad (no grad buffer).
     pipe = build_pipeline(cfg, ps, micro_batch_size=case.micro_batch_size, num_microbatches=case.microbatches,
-                          fp8_recipe=recipe)
+                          fp8_recipe=recipe, split_weight_grads=True)
     ref_params = dict(reference.named_parameters())
     for name, param in pipe.named_parameters():  # built from scratch: the same full model, bit for bit
         full = gather_tensor_model_parallel(param.detach(), param, ps.tp_group)

@@ -172,3 +172,31 @@ def test_stage_split_keeps_global_layer_numbers():
     assert uneven.layer_counts() == [1, 3, 3, 3]
     assert list(uneven.layer_numbers(3)) == [7, 8, 9]
     assert PipelineLayout(6, 3, last_stage_layers=0).layer_counts() == [3, 3, 0]
+
+
+def _default_split_under_ddp_body(rank: int, world_size: int) -> None:
+    """A library user's zero-bubble pipeline with build_pipeline's defaults under the DDP grad buffer: every
+    main_grad equals the PP=1 gradient (torch's split W pass, which bypasses the buffer's hooks, is opt-in)."""
+    from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
+
+    cfg = config(Case(schedule="zbv"))
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length), generator=torch.Generator().manual_seed(3))
+    reference = build_pipeline(cfg, ParallelState().init_process_groups(), micro_batch_size=1, num_microbatches=4)
+    reference.step(ids, ids.roll(-1, dims=1))
+    ps = ParallelState(world_size=world_size, pipeline_model_parallel_size=2,
+                       pipeline_schedule="zbv").init_process_groups()
+    pipe = build_pipeline(cfg, ps, micro_batch_size=1, num_microbatches=4, reduce_replicated_grads=False)
+    ddp = DistributedDataParallel(pipe.modules, ps, DDPConfig(num_microbatches=4))
+    pipe.step(ids, ids.roll(-1, dims=1))
+    ddp.finish_grad_sync()
+    ref = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        expected = ref[name].grad
+        assert expected.abs().max() > 0, name
+        err = float((param.main_grad - expected).abs().max() / expected.abs().max())
+        assert err <= 1e-5, (name, err)
+
+
+@pytest.mark.distributed
+def test_zero_bubble_default_feeds_the_ddp_grad_buffer():
+    run_distributed(_default_split_under_ddp_body, world_size=2, timeout_s=300)

@@ -22,9 +22,11 @@ point-to-point transfers. megafp8 owns what torch cannot know:
 Zero-bubble schedules split each backward into an input-gradient (B) and a weight-gradient (W) pass.
 torch implements W by re-running autograd from saved intermediates, which calls a custom autograd
 Function's backward a second time: the FP8 linear op would compute and accumulate its wgrad (into
-``main_grad``) twice and repeat its sequence-parallel collectives. So with an FP8 recipe, and whenever
-``split_weight_grads=False`` (needed for grad buffers fed by post-accumulate-grad hooks, which torch's
-W pass bypasses), the W pass is empty and B computes both gradients: correct, without the bubble saving.
+``main_grad``) twice and repeat its sequence-parallel collectives. So with an FP8 recipe, and unless
+``split_weight_grads=True`` is asked for, the W pass is empty and B computes both gradients: correct,
+without the bubble saving. The split is opt-in because torch's W pass bypasses post-accumulate-grad
+hooks, which feed ``DistributedDataParallel``'s grad buffer: under it ``main_grad`` would silently stay
+zero. Pass ``True`` only for a model whose gradients are read from ``.grad`` (no grad buffer).
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ class Pipeline:
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
                  num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
-                 split_weight_grads: bool = True, device: torch.device | str | None = None,
+                 split_weight_grads: bool = False, device: torch.device | str | None = None,
                  reduce_replicated_grads: bool = True) -> None:
         ps = parallel_state
         # False when a DistributedDataParallel grad buffer does these reductions itself (once per bucket).
@@ -346,7 +348,7 @@ def _is_communication_failure(error: BaseException) -> bool:
 
 def build_pipeline(config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
                    num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
-                   split_weight_grads: bool = True, device: torch.device | str | None = None,
+                   split_weight_grads: bool = False, device: torch.device | str | None = None,
                    reduce_replicated_grads: bool = True) -> Pipeline:
     """This rank's stages and step for ``parallel_state`` (PP=1 included: then a plain accumulation loop).
 
