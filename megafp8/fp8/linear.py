@@ -46,6 +46,7 @@ class Fp8GemmModule(nn.Module):
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor, bool] | None = None  # (key, weight, observed)
         self._injected_weight: Float8Tensor | None = None
+        self._injected_scale_version: tuple | None = None  # the weight scale's version at injection
 
     @property
     def runs_high_precision(self) -> bool:
@@ -81,7 +82,10 @@ class Fp8GemmModule(nn.Module):
         after writing the weights); the cache key also follows the Parameter's version counter and storage
         as a safety net for plain torch optimizers, but cannot see writes into a flat buffer that the
         Parameter's `.data` merely views. Under a delayed recipe the weight role's delayed scale is used
-        (synchronized over TP x DP like every delayed scale, so sharded runs quantize exactly as TP=1)."""
+        (synchronized over TP x DP like every delayed scale, so sharded runs quantize exactly as TP=1), and
+        the key holds that scale's version (ScalingState.scale_version, host-side): after an update() the
+        first forward re-quantizes under the new scale even if the weight did not change (a skipped step),
+        as a module freshly loaded from the state dict does."""
         transpose = torch.is_grad_enabled()  # dgrad needs W^T; inference does not
         if self._injected_weight is not None:
             return self._injected_fp8_weight(recipe, transpose)
@@ -89,7 +93,8 @@ class Fp8GemmModule(nn.Module):
             # (kernels helper, for torch.compile) dynamo cannot trace the data_ptr/_version cache key (a
             # graph break per layer): a compiled forward quantizes the weight inside its graph instead.
             return self._quantize_weight(weight.detach(), recipe, transpose, observe)
-        key = (recipe, weight.data_ptr(), weight._version)
+        state = self.scaling_state("weight", recipe)
+        key = (recipe, weight.data_ptr(), weight._version, state.scale_version if state is not None else None)
         cached = self._weight_cache
         # An entry built by an evaluation forward did not feed the weight's amax history: a training forward
         # re-quantizes it (and observes), so evaluating between steps leaves the scaling state unchanged.
@@ -117,7 +122,18 @@ class Fp8GemmModule(nn.Module):
             raise ValueError(f"set_fp8_weight: FP8 weight of shape {tuple(weight.shape)} for a layer whose weight is "
                              f"{tuple(own.shape)}")
         self._injected_weight = weight
+        self._injected_scale_version = self._weight_scale_version()
         self._weight_cache = None
+
+    def _weight_scale_version(self) -> tuple | None:
+        state = self.fp8_scaling["weight"] if "weight" in self.fp8_scaling else None
+        return state.scale_version if state is not None else None
+
+    @property
+    def injected_weight_outdated(self) -> bool:
+        """True when the injected FP8 weight may have been quantized under a delayed weight scale that changed
+        since (an update() or a load after the publish): the injector must hand the layer a new one."""
+        return self._injected_weight is not None and self._injected_scale_version != self._weight_scale_version()
 
     def _injected_fp8_weight(self, recipe: Fp8Recipe, transpose: bool) -> Float8Tensor:
         weight = self._injected_weight
@@ -125,6 +141,7 @@ class Fp8GemmModule(nn.Module):
         if (weight.fp8_dtype, weight.granularity) != want:
             raise ValueError(f"injected FP8 weight is {weight.fp8_dtype} {weight.granularity.value}, but the recipe "
                              f"{recipe.scaling!r} quantizes weights as {want[0]} {want[1].value}")
+        self._check_injected_weight_current(recipe)
         if transpose and weight.data_t is None:
             weight = self._injected_weight = weight.with_transpose(recipe.power_of_2_scale)  # once per step
         return weight
@@ -143,6 +160,15 @@ class Fp8GemmModule(nn.Module):
         """Drop the cached and the injected FP8 weight: the next forward quantizes (or is handed) a new one."""
         self._weight_cache = None
         self._injected_weight = None
+
+    def _check_injected_weight_current(self, recipe: Fp8Recipe) -> None:
+        # The layer holds no high-precision weight to re-quantize from, and a module loaded from the state dict
+        # would be handed one quantized under the new scale: using the old one silently forks the run.
+        if recipe.is_delayed and self._injected_scale_version != self._weight_scale_version():
+            raise RuntimeError(
+                "the FP8 weight handed to this layer (set_fp8_weight) was quantized under a delayed weight scale "
+                "that Fp8ScalingManager.update() or a checkpoint load has changed since: re-publish the FP8 "
+                "weights after every update() (DistributedOptimizer does, on a skipped step too)")
 
     # ---- the GEMM ----
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -184,6 +210,8 @@ class Fp8GemmModule(nn.Module):
         is one (dequantized, so a second rounding), else from the high-precision weight."""
         transpose = torch.is_grad_enabled()
         with torch.no_grad():
+            if self._injected_weight is not None:
+                self._check_injected_weight_current(recipe)
             base = self._injected_weight.dequantize() if self._injected_weight is not None else weight.detach()
             return self._quantize_weight(base / s.to(base.dtype), recipe, transpose, observe)
 

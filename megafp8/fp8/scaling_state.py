@@ -70,6 +70,7 @@ class ScalingState(nn.Module):
         self.register_buffer("pending_amax", torch.zeros(()), persistent=False)
         self._warm = False
         self._observed_at: int | None = None  # clock value of the first observe() while cold
+        self._scale_writes = 0  # resets and loads: the scale changes outside update()
         self._clock = UpdateClock()
         self._owner: weakref.ref[FlatScalingBuffers] | None = None  # the flat buffers this state views
         _bump_layout_version()
@@ -82,6 +83,13 @@ class ScalingState(nn.Module):
         if not self._warm and self._observed_at is not None and self._clock.updates > self._observed_at:
             self._warm = True
         return not self._warm
+
+    @property
+    def scale_version(self) -> tuple:
+        """Changes whenever the scale (or is_cold) may have changed: at every update() of its manager, a load,
+        a reset. Host-side, so an FP8 weight cached under this scale can check it without a device sync
+        (update() cannot tell the host which scales actually moved)."""
+        return self._clock, self._clock.updates, self._scale_writes
 
     @torch.no_grad()
     def observe(self, amax: torch.Tensor) -> None:
@@ -97,6 +105,7 @@ class ScalingState(nn.Module):
         self.scale.fill_(1.0)
         self.pending_amax.zero_()
         self._warm, self._observed_at = False, None
+        self._scale_writes += 1
 
     def bind(self, owner: FlatScalingBuffers, amax_history: torch.Tensor, scale: torch.Tensor,
              pending_amax: torch.Tensor, clock: UpdateClock) -> None:
@@ -147,6 +156,7 @@ class ScalingState(nn.Module):
         self.pending_amax.zero_()
         self._warm = bool(self.amax_history.any())
         self._observed_at = None
+        self._scale_writes += 1
 
     def extra_repr(self) -> str:
         return f"history={self.recipe.amax_history_len}, algo={self.recipe.amax_compute_algo}, margin={self.recipe.margin}"
@@ -226,8 +236,10 @@ class Fp8ScalingManager:
     all_reduce_max: optional callable(tensor, group) doing an in-place MAX all-reduce; the parallel
                     layer passes its byte-counting collective here. Defaults to torch.distributed.
 
-    update() does not touch cached FP8 weights: the optimizer step owns that
-    (megafp8.fp8.invalidate_fp8_weight_caches).
+    update() touches no cached FP8 weight: each cache entry is keyed on its weight state's scale_version,
+    which every update() moves, so the first forward after it re-quantizes (and re-observes) the weight
+    under the new scale, exactly as a module freshly loaded from the state dict would. A weight the
+    optimizer injected (set_fp8_weight) cannot be re-quantized by the layer: the optimizer re-publishes it.
     """
 
     def __init__(self, model: nn.Module, amax_group,

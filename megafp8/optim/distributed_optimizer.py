@@ -218,6 +218,8 @@ class DistributedOptimizer:
         norm = float(self.grad_norm_squared().sqrt())
         if not math.isfinite(norm):
             self.skipped_steps += 1  # every rank saw the same all-reduced value: all skip together
+            if self.ddp.fp8_params:  # the same weights, cast again under the scales this step's update() set,
+                self._publish()      # as a run resumed from this step's checkpoint casts them
             return StepResult(True, norm)
         clip = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 and norm + 1e-6 > self.clip_grad else 1.0
         self.step_count += 1
