@@ -45,6 +45,9 @@ class Checkpointer:
     def save(self, trainer) -> None:
         """Write iteration `trainer.progress.iteration` to --save (atomic; --keep-last prunes older ones)."""
         progress = trainer.progress
+        # --overlap-param-gather defers the gather after the step to the next forward: finish it, or the
+        # shards this rank does not own would be saved one step stale.
+        self.optimizer.ddp.finish_param_sync()
         path = save_checkpoint(
             self.args.save, progress.iteration, model=self.chunks, parallel_state=self.ps,
             optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
@@ -64,8 +67,11 @@ class Checkpointer:
                                  rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, args=args,
                                  finetune=args.finetune, no_load_optim=args.no_load_optim or args.finetune,
                                  no_load_rng=args.no_load_rng or args.finetune,
+                                 allow_changed_args=args.allow_changed_args or (),
                                  model_overrides=self._overrides(released))
-        if loaded is None:
+        if loaded is None:  # Megatron's rule (--load = --save on a first run), but said: a typo'd path shows
+            if self.ps.rank == 0:
+                print(f" no checkpoint in {args.load}: starting from iteration 0", flush=True)
             return None
         if loaded.optimizer_loaded:
             apply()  # publishes the loaded master weights into the model
