@@ -12,16 +12,55 @@ import sys
 import torch.distributed as dist
 
 from megafp8.data.builder import parse_data_path
+from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.parallel.parallel_state import LayoutError, initialize_distributed
-from megafp8.training.arguments import ArgumentError, parse_args
-from megafp8.training.data_setup import tokenizer_vocab_size
+from megafp8.training.arguments import parse_and_check
+from megafp8.training.data_setup import tokenizer_vocab_size, training_length_errors
 from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args
 
 
+def _is_rank_0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _fail(message: str) -> int:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _is_rank_0():
         print(f"megafp8-pretrain: error: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+def input_errors(args) -> tuple[int | None, list[str]]:
+    """(the tokenizer's vocabulary size, every problem with the tokenizer, the data prefixes and their indexes,
+    the test hook); cheap: each index is opened and checked, no data is read."""
+    errors: list[str] = []
+    vocab_size = None
+    if args.tokenizer_model is not None or (args.tokenizer_type == "NullTokenizer" and args.vocab_size is not None):
+        try:
+            vocab_size = tokenizer_vocab_size(args)
+        except (ValueError, OSError, RuntimeError) as e:
+            errors.append(str(e))
+    if args.data_path:
+        first_data_error = len(errors)
+        try:
+            _, prefixes = parse_data_path(args.data_path)  # every prefix exists
+        except ValueError as e:
+            errors.append(str(e))
+            prefixes = []
+        for prefix in prefixes:
+            try:
+                IndexedDataset(prefix)  # a truncated or corrupt .idx/.bin: one line here, not a traceback later
+            except ValueError as e:
+                errors.append(f"--data-path {prefix}: {e}")
+        if prefixes and len(errors) == first_data_error:  # the data opens: does it last --train-iters/-samples?
+            errors += training_length_errors(args)
+    if os.environ.get("MEGAFP8_FORCE_FP8_OVERFLOW"):  # a test hook (megafp8/fp8/forced_overflow.py)
+        from megafp8.fp8.forced_overflow import check_forced_overflow
+
+        try:
+            check_forced_overflow(args.fp8_format, args.fp8_recipe)
+        except ValueError as e:
+            errors.append(str(e))
+    return vocab_size, errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,21 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["--fp8-self-check"]:
         from megafp8.training.self_check import print_self_check
 
-        print_self_check()
-        return 0
+        return 0 if print_self_check() else 1
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args, errors, warnings = parse_and_check(argv, world_size)  # argparse itself exits 2 on an unknown flag
+    vocab_size, more_errors = input_errors(args)
+    errors += more_errors
+    if errors:
+        return _fail("invalid arguments:\n" + "\n".join(f"  - {e}" for e in errors))
+    if _is_rank_0():
+        for message in warnings:
+            print(f"megafp8-pretrain: warning: {message}", file=sys.stderr, flush=True)
     try:
-        args = parse_args(argv, world_size)
         parallel_state = parallel_state_from_args(args)
-        config = model_config_from_args(args, tokenizer_vocab_size(args))
+        config = model_config_from_args(args, vocab_size)
         parallel_state.validate_model(config, global_batch_size=args.global_batch_size,
                                       micro_batch_size=args.micro_batch_size)
-        parse_data_path(args.data_path)  # every prefix exists
-        if os.environ.get("MEGAFP8_FORCE_FP8_OVERFLOW"):  # a test hook (megafp8/fp8/forced_overflow.py)
-            from megafp8.fp8.forced_overflow import check_forced_overflow
-
-            check_forced_overflow(args.fp8_format, args.fp8_recipe)
-    except (ArgumentError, LayoutError, ValueError, FileNotFoundError) as e:
+    except (LayoutError, ValueError) as e:  # the flags' checks cover these; kept as a backstop
         return _fail(str(e))
 
     from megafp8.training.run import run  # heavy imports only once the flags are known to be good

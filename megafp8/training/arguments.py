@@ -8,7 +8,9 @@ reported at once, each line naming its flag, as one `ArgumentError`.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
 
 from megafp8.fp8.recipe import FORMATS, SCALINGS
 from megafp8.model.config import ACTIVATIONS
@@ -23,124 +25,242 @@ class ArgumentError(ValueError):
     """Invalid flags; the message lists every problem, one per line, each naming its flag."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """One help line per flag, plus its default where it has a value (a switch's False/True default would read
+    backwards for `--no-...` flags, and None means "derived", which the help text says)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        no_default = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.nargs != 0 and not no_default and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag with its one line of help: the source of `--help`, tools/print_flags.py and docs/training.md."""
     p = argparse.ArgumentParser(prog="megafp8-pretrain", description="Megatron-style 3D-parallel FP8 pretraining.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                                formatter_class=_HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: Llama's 8/3 x hidden, rounded to 64")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=None, help="GQA; default: one per head (MHA)")
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--activation", choices=ACTIVATIONS, default="swiglu")
+    g.add_argument("--num-layers", type=int, default=2,
+                   help="transformer layers (Llama-style: RMSNorm, RoPE attention with GQA, SwiGLU MLP)")
+    g.add_argument("--hidden-size", type=int, default=64, help="model width h")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP inner width f (default: 8/3 h rounded up to a multiple of 64)")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="query heads; head dim = h / heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads (GQA); default one per head (MHA)")
+    g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="RoPE table length (default --seq-length)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="the embedding is padded to a multiple of this x TP (padding rows are zero and never saved)")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="RMSNorm epsilon")
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta (Llama 3: 500000)")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal initialisation (output projections scaled by 1/sqrt(2 layers)); the "
+                        "same values at every layout, drawn per (seed, parameter name)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer (default: tied to the embedding)")
+    g.add_argument("--activation", choices=ACTIVATIONS, default="swiglu",
+                   help="swiglu, or smooth_swiglu (per-channel power-of-two scaling before FC2's FP8 cast, "
+                        "docs/fp8.md)")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP: attention heads and MLP columns split over this many ranks (docs/parallelism.md)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP: layers split into this many stages")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved schedule: each rank holds several chunks of this many layers")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first stage when the split is uneven (e.g. to balance the embedding)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last stage (the output layer and loss live there)")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
-                   help="default: interleaved with --num-layers-per-virtual-pipeline-stage, else 1f1b")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per gradient bucket")
-    g.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None)
-    g.add_argument("--recompute-method", choices=METHODS, default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+                   help="1f1b, interleaved (default with virtual stages, else 1f1b), interleaved-zb (interleaved "
+                        "with the weight-gradient pass split off to fill bubbles), zbv, dualpipev (zero-bubble V "
+                        "schedules); docs/parallelism.md 'Which schedule when'")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1: norms, residuals and activations between the TP regions are split over the "
+                        "sequence (all-gather / reduce-scatter instead of all-reduce, in FP8 where the next GEMM is "
+                        "FP8); at TP 1 it is turned off with a warning, as in Megatron-LM")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: gradients reduce-scattered and optimizer state sharded over DP (docs/optimizer.md)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each gradient bucket as soon as its last gradient is ready, overlapping backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather the updated parameters bucket by bucket under the next forward (distributed "
+                        "optimizer)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="the gradient buffer and its reduction in bf16 instead of fp32")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default: one bucket per kind of parameter)")
+    g.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None,
+                   help="full (recompute whole layers in backward) or selective (only the attention core)")
+    g.add_argument("--recompute-method", choices=METHODS, default=None,
+                   help="with full: uniform (groups of N layers) or block (the first N layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="the N of --recompute-method")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="every collective and pipeline send/receive fails after this long instead of hanging")
 
     g = p.add_argument_group("precision and FP8")
-    g.add_argument("--bf16", action="store_true", help="BF16 compute; without it (and without FP8) the run is fp32")
-    g.add_argument("--fp8-format", choices=FORMATS, default=None, help="enables FP8 GEMMs")
-    g.add_argument("--fp8-recipe", choices=SCALINGS, default="delayed")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1024)
-    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="max")
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp8-power-of-2-scale", action="store_true")
-    g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and compute (GPU; on CPU only the flag checks, parameters stay fp32); "
+                        "without it and --fp8-format the run is fp32")
+    g.add_argument("--fp8-format", choices=FORMATS, default=None,
+                   help="turns FP8 GEMMs on: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients, as in "
+                        "TransformerEngine)")
+    g.add_argument("--fp8-recipe", choices=SCALINGS, default="delayed",
+                   help="how each FP8 tensor is scaled (docs/training.md 'The recipes', docs/fp8.md)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1024,
+                   help="delayed scaling: amaxes remembered per tensor (the scale comes from their max)")
+    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="max",
+                   help="delayed scaling: max of the history or the most_recent amax")
+    g.add_argument("--fp8-margin", type=int, default=0, help="scales are divided by 2^margin (headroom against growth)")
+    g.add_argument("--fp8-power-of-2-scale", action="store_true",
+                   help="round every scale to a power of two (exact rescaling, as DeepSeek-V3 / torchao can)")
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="the distributed optimizer casts its shard of each FP8 layer's weight to FP8 and the DP "
+                        "all-gather moves FP8 bytes; the layers keep no high-precision weight copy, except a layer "
+                        "the saturation guard moved to high precision (docs/optimizer.md)")
     g.add_argument("--first-last-layers-bf16", type=int, nargs="?", const=1, default=0,
-                   help="keep the first and last N transformer layers out of FP8")
-    g.add_argument("--log-fp8-telemetry", action="store_true")
+                   help="keep the first and last N transformer layers (N = 1 when given without a value) out of FP8")
+    g.add_argument("--log-fp8-telemetry", action="store_true",
+                   help="on logged iterations: per layer and tensor role the amax, scale, saturated and "
+                        "flushed-to-zero fractions, to TensorBoard")
     g.add_argument("--no-fp8-saturation-guard", dest="fp8_saturation_guard", action="store_false",
-                   help="never move a saturating layer to high precision (saves the guard's per-step telemetry pass)")
+                   help="turn the saturation guard off: no layer ever leaves FP8, and the guard's per-step telemetry "
+                        "pass is saved")
     g.add_argument("--fp8-saturation-guard-threshold", type=float, default=0.01,
-                   help="saturated fraction of a layer's FP8 tensor above which a check counts against it")
+                   help="the guard counts a step against a layer when any of its FP8 tensors has more than this "
+                        "fraction saturated")
     g.add_argument("--fp8-saturation-guard-patience", type=int, default=3,
-                   help="consecutive checks above the threshold before the layer moves to high precision")
+                   help="consecutive such steps before the layer moves to high precision")
+    g.add_argument("--fp8-self-check", action="store_true",
+                   help="given alone: check this machine's FP8 kernels (quantize + GEMM per scale mode) against "
+                        "fp64, print OK or FAIL per mode and exit (status 1 on a FAIL); no training")
 
     g = p.add_argument_group("optimizer and schedule")
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=None)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: length of the final anneal")
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD: the anneal in samples")
-    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--master-weight-dtype", choices=("fp32", "fp16"), default="fp32")
-    g.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp8"), default="fp32")
+    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the floor the decay ends at")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="cosine",
+                   help="cosine, linear, constant, inverse-square-root, WSD (warmup-stable-decay: hold --lr, then "
+                        "anneal over the last --lr-wsd-decay-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up length in iterations (with --train-iters)")
+    g.add_argument("--lr-warmup-samples", type=int, default=None,
+                   help="warm-up length in samples (with --train-samples)")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="decay length in iterations (default --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="decay length in samples (default --train-samples)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: length of the final anneal in iterations")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD: length of the final anneal in samples")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential", help="WSD anneal shape")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm (over all ranks) to this; 0 disables")
+    g.add_argument("--master-weight-dtype", choices=("fp32", "fp16"), default="fp32",
+                   help="the optimizer's copy of the weights: fp32, or fp16 with a power-of-two scale per tensor "
+                        "(distributed optimizer)")
+    g.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp8"), default="fp32",
+                   help="Adam moments in fp32, bf16 or fp8 (E4M3 codes with per-128-group scales; distributed "
+                        "optimizer)")
 
     g = p.add_argument_group("training and data")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--data-path", nargs="+", default=None, help="PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ...")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", choices=TOKENIZERS, default="SentencePieceTokenizer")
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for --tokenizer-type NullTokenizer")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward/backward on one rank")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step over all DP ranks; a multiple of micro batch x DP, the quotient "
+                        "being the micro-batches per step (gradient accumulation, and the pipeline's micro-batch "
+                        "count); default micro batch x DP")
+    g.add_argument("--train-iters", type=int, default=None, help="run length in iterations ...")
+    g.add_argument("--train-samples", type=int, default=None, help="... or in samples (exclusive with --train-iters)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="the seed of initialisation, data order and RNG streams; with the consumed-sample count it "
+                        "fixes the data order (a resumed run reads exactly what the straight run would)")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="a preprocessed prefix, or WEIGHT PREFIX WEIGHT PREFIX ... to blend datasets (docs/data.md)")
+    g.add_argument("--split", default="969,30,1",
+                   help="train, validation, test weights of each dataset's documents")
+    g.add_argument("--tokenizer-type", choices=TOKENIZERS, default="SentencePieceTokenizer",
+                   help="SentencePieceTokenizer, HuggingFaceTokenizer or NullTokenizer (data already ids); sets the "
+                        "vocabulary size")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer file (SentencePiece .model, HF tokenizer.json) or HF model directory")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="the vocabulary for NullTokenizer (it adds one end-of-document id)")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="evaluate on the validation split every this many iterations")
+    g.add_argument("--eval-iters", type=int, default=10, help="global batches per evaluation (0: no evaluation)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop after an iteration that is a multiple of this (saving first when --save is set)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (and save) once the run has lasted this long; all ranks agree on the iteration")
 
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--keep-last", type=int, default=None)
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--save", default=None,
+                   help="directory to save to: iter_NNNNNNN/ and latest_checkpointed_iteration.txt "
+                        "(docs/checkpoints.md); also saved at the end of the run and on every exit condition")
+    g.add_argument("--load", default=None,
+                   help="directory to resume from (its latest complete checkpoint); a missing or empty one starts "
+                        "from iteration 0 and says so, so --load and --save may name the same directory")
+    g.add_argument("--save-interval", type=int, default=None, help="save every this many iterations")
+    g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the weights: iteration 0, a fresh optimizer, data from the start, and "
+                        "math-changing flags may differ")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the weights (they become the master weights) but not the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    g.add_argument("--allow-changed-args", nargs="+", default=None, metavar="FLAG",
+                   help="math-changing flags (e.g. lr clip-grad) that may differ from the checkpoint's on --load "
+                        "(the run then continues with the new values)")
 
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--log-dir", default=None, help="writes DIR/metrics.jsonl")
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-interval", type=int, default=1,
+                   help="print the console line (and write a metrics record) every this many iterations")
+    g.add_argument("--log-dir", default=None, help="write DIR/metrics.jsonl")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="TensorBoard scalars (train/lm_loss, train/lr, train/grad_norm, train/tokens_per_s, "
+                        "train/tflops_per_device, train/model_state_bytes_per_param, validation/lm_loss, and "
+                        "fp8/<layer>/... with --log-fp8-telemetry); needs the tensorboard package")
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int = 1) -> argparse.Namespace:
-    """Parse and validate; fills the derived fields. Raises ArgumentError listing every problem."""
-    args = build_parser().parse_args(argv)
-    _fill_defaults(args, world_size)
-    errors = argument_errors(args, world_size)
+def _print_warning(message: str) -> None:
+    print(f"megafp8-pretrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int = 1,
+               warn: Callable[[str], None] | None = _print_warning) -> argparse.Namespace:
+    """Parse and validate; fills the derived fields. Raises ArgumentError listing every problem.
+    ``warn`` receives each lenient fix-up (Megatron's rules, e.g. --sequence-parallel at TP 1); None: silent."""
+    args, errors, warnings = parse_and_check(argv, world_size)
     if errors:
         raise ArgumentError("invalid arguments:\n" + "\n".join(f"  - {e}" for e in errors))
+    for message in warnings if warn is not None else ():
+        warn(message)
     return args
 
 
-def _fill_defaults(args: argparse.Namespace, world_size: int) -> None:
+def parse_and_check(argv: Sequence[str] | None = None, world_size: int = 1) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(args with the derived fields, every problem, the warnings of lenient fix-ups); raises only for what
+    argparse itself rejects (an unknown flag, a malformed value: SystemExit 2 with argparse's message)."""
+    args = build_parser().parse_args(argv)
+    warnings = _fill_defaults(args, world_size)
+    return args, argument_errors(args, world_size), warnings
+
+
+def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
+    """Derived fields and Megatron-LM's lenient rules; returns a warning for each flag it overrode."""
+    warnings = []
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        # Megatron-LM's validate_args: sequence parallelism is meaningless without TP, so it is switched off
+        # (a launch script that always passes it, or a TP-1 resume of a TP-2 run, keeps working).
+        args.sequence_parallel = False
+        warnings.append("--sequence-parallel turned off: it needs --tensor-model-parallel-size > 1 "
+                        "(Megatron-LM does the same)")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 64 * -(-(8 * args.hidden_size // 3) // 64)
     if args.max_position_embeddings is None:
@@ -159,30 +279,43 @@ def _fill_defaults(args: argparse.Namespace, world_size: int) -> None:
     per_step = args.micro_batch_size * max(args.data_parallel_size, 1)
     divisible = per_step > 0 and args.global_batch_size % per_step == 0
     args.num_micro_batches = args.global_batch_size // per_step if divisible else 0  # 0: reported by argument_errors
+    return warnings
 
 
 def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
-    """Every flag problem this Namespace has, one message each (the layout itself is validated by
-    ParallelState, which also names its flags)."""
+    """Every flag problem this Namespace has, one message each, the parallel layout's included
+    (megafp8.parallel.parallel_state.layout_errors, which names its flags too)."""
     errors: list[str] = []
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval",
-                "eval_interval", "fp8_amax_history_len")
+                "eval_interval", "fp8_amax_history_len", "train_iters", "train_samples", "num_query_groups",
+                "ffn_hidden_size", "num_layers_per_virtual_pipeline_stage", "distributed_timeout_minutes")
     for name in positive:
+        if name == "train_samples" and args.train_iters is not None:
+            continue  # derived from --train-iters, whose own message covers it
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("train_iters", "train_samples", "save_interval", "keep_last", "exit_interval", "eval_iters",
-                 "ddp_bucket_size", "recompute_num_layers", "lr_warmup_samples", "lr_decay_iters", "lr_decay_samples"):
+    sizes_ok = not errors
+    for name in ("save_interval", "keep_last", "exit_interval", "eval_iters", "lr_warmup_iters",
+                 "ddp_bucket_size", "recompute_num_layers", "lr_warmup_samples", "lr_decay_iters", "lr_decay_samples",
+                 "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "fp8_margin", "first_last_layers_bf16"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             errors.append(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if model_parallel > 0 and world_size % model_parallel:
-        errors.append(f"the world size ({world_size}) must be divisible by --tensor-model-parallel-size "
-                      f"({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                      f"({args.pipeline_model_parallel_size})")
-    elif args.data_parallel_size and args.num_micro_batches == 0:
-        errors.append(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
-                      f"({args.micro_batch_size}) x data parallel size ({args.data_parallel_size})")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    if sizes_ok:  # the layout's rules assume positive sizes (they would only repeat the messages above)
+        from megafp8.parallel.parallel_state import layout_errors
+
+        errors += layout_errors(
+            world_size=world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            vpp_layers=args.num_layers_per_virtual_pipeline_stage, sequence_parallel=args.sequence_parallel,
+            num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+            seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers)
     if args.train_iters is None and args.train_samples is None:
         errors.append("give the training length: --train-iters or --train-samples")
     elif args.train_iters is not None and args.train_samples != args.train_iters * args.global_batch_size:
@@ -228,4 +361,42 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
             errors.append(f"--{flag.replace('_', '-')} needs --load")
     if args.save_interval is not None and args.save is None:
         errors.append("--save-interval needs --save")
+    if args.allow_changed_args is not None:
+        from megafp8.checkpoint.args_check import MATH_ARGS
+
+        if args.load is None:
+            errors.append("--allow-changed-args needs --load")
+        unknown = [f for f in args.allow_changed_args if f.lstrip("-").replace("-", "_") not in MATH_ARGS]
+        if unknown:
+            errors.append(f"--allow-changed-args {' '.join(unknown)}: not a flag a checkpoint checks; those are "
+                          + " ".join(sorted(n.replace("_", "-") for n in MATH_ARGS)))
+    if args.fp8_self_check:
+        errors.append("--fp8-self-check runs alone: give it without other flags")
+    schedule_flags = ("--lr", "--min-lr", "--train-", "--global-batch-size", "--micro-batch-size", "--lr-")
+    if not any(flag in e for e in errors for flag in schedule_flags):  # else its message would blame another flag
+        errors += _schedule_errors(args)
+    errors += optional_package_errors(args)
     return errors
+
+
+def _schedule_errors(args: argparse.Namespace) -> list[str]:
+    """The LR schedule's own rules (--min-lr within [0, --lr], warm-up shorter than the decay, ...)."""
+    from megafp8.training.train import learning_rate_schedule
+
+    try:
+        learning_rate_schedule(args)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+# Packages a flag needs that `pip install megafp8` does not bring: {flag dest: (flag, import name, pip name)}.
+OPTIONAL_PACKAGES = {"tensorboard_dir": ("--tensorboard-dir", "tensorboard", "tensorboard")}
+
+
+def optional_package_errors(args: argparse.Namespace) -> list[str]:
+    """A flag whose package is not installed, in one line with the pip command (checked before any process
+    group: a missing package must not kill one rank mid-run and the others with it)."""
+    return [f"{flag} needs the {package} package, which is not installed: pip install {pip_name}"
+            for dest, (flag, package, pip_name) in OPTIONAL_PACKAGES.items()
+            if getattr(args, dest) is not None and importlib.util.find_spec(package) is None]
