@@ -61,3 +61,13 @@ def test_mfu_peaks():
     assert device_peak_tflops("cpu") is None
     line = IterationRecord(**{**_record(1).__dict__, "mfu_bf16": 0.4, "mfu_fp8": 0.2}).console_line()
     assert "MFU vs BF16 / FP8 peak: 40.0% / 20.0%" in line
+
+
+def test_elapsed_and_eta_are_appended_after_megatrons_fields_and_stay_out_of_metrics(tmp_path):
+    record = IterationRecord(**{**_record(10).__dict__, "elapsed_s": 3725.4, "eta_s": 59.6})
+    line = record.console_line()
+    assert line.endswith(" | number of nan iterations:   0 | elapsed: 1:02:05 | ETA: 0:01:00 |"), line
+    assert "elapsed" not in _record(10).console_line().split("nan iterations")[1]  # absent when not measured
+    log = TrainingLog(log_dir=str(tmp_path))
+    log.log_iteration(record)
+    assert not {"elapsed_s", "eta_s"} & set(json.loads((tmp_path / "metrics.jsonl").read_text()))

@@ -2,7 +2,7 @@
 
 Three kinds of flag: shape flags (the weights cannot load under another value, whatever the mode),
 math flags (the weights load, but the continued run is not the saved run: an error unless
-``--finetune`` or the flag is explicitly allowed to change), and everything else (parallel layout,
+``--finetune`` or the flag is named in ``--allow-changed-args``), and everything else (parallel layout,
 logging, paths, lengths), which may change freely: the checkpoint reshards.
 """
 from __future__ import annotations
@@ -70,5 +70,6 @@ def check_args(saved: Mapping[str, Any], current: Mapping[str, Any], *, finetune
         hint.append("model-shape flags must match the checkpoint (its weights have those shapes)")
     if math:
         hint.append("these flags change the training math: use the checkpoint's values, or --finetune to start "
-                    "a new run from its weights, or allow the change explicitly")
+                    "a new run from its weights, or continue this run with the new values: --allow-changed-args "
+                    + " ".join(n.replace("_", "-") for n in math))
     raise ArgsMismatchError(f"flags differ from {checkpoint}:\n" + "\n".join(lines) + "\n" + "; ".join(hint))

@@ -7,6 +7,7 @@ import sys
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from megafp8.checkpoint import CheckpointError
 from megafp8.fp8 import Fp8Recipe
@@ -37,10 +38,69 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
     return pipeline, ddp, optimizer
 
 
+def parameter_counts(pipeline, parallel_state: ParallelState) -> tuple[int, list[int]]:
+    """(the model's parameters, the parameters each pipeline rank holds), summed over the TP shards (padded
+    vocabulary rows included); a tied embedding's copy on the last stage counts for its stage, not twice in the
+    total. Every rank calls (one all_gather_object over the world, once per run)."""
+    params = list(pipeline.parameters())
+    held = sum(p.numel() for p in params)
+    own = sum(p.numel() for p in params if not getattr(p, "shared_embedding", False))
+    entry = (parallel_state.coords.pp, parallel_state.coords.dp, held, own)
+    gathered = [entry]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entry)
+    per_stage = [0] * parallel_state.pp_size
+    total = 0
+    for stage, dp_rank, stage_held, stage_own in gathered:
+        if dp_rank == 0:  # DP replicas hold the same parameters
+            per_stage[stage] += stage_held
+            total += stage_own
+    return total, per_stage
+
+
+def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, total_params: int,
+                   per_stage: list[int]) -> list[str]:
+    """What this run is, in a few lines (as Megatron and torchtitan print it): layout, size, tokens, FP8, outputs."""
+    ps = parallel_state
+    layout = (f"TP {ps.tp_size} x CP 1 x PP {ps.pp_size} x DP {ps.dp_size} = {ps.world_size} process{'es' if ps.world_size > 1 else ''}"
+              + (", sequence parallel" if args.sequence_parallel else "")
+              + (f", schedule {ps.pipeline_schedule}" if ps.pp_size > 1 else "")
+              + (f", {args.num_layers_per_virtual_pipeline_stage} layers per virtual stage"
+                 if args.num_layers_per_virtual_pipeline_stage else ""))
+    params = f"{total_params:,}" + (f" (per pipeline rank: {' | '.join(f'{n:,}' for n in per_stage)})"
+                                    if ps.pp_size > 1 else "")
+    recipe = Fp8Recipe.from_args(args)
+    if recipe is None:
+        precision = "bf16" if args.bf16 and torch.cuda.is_available() else "fp32 (no --fp8-format)"
+    else:
+        precision = (f"FP8 {recipe.fp8_format} {recipe.scaling}"
+                     + (f" (amax history {recipe.amax_history_len}, {recipe.amax_compute_algo})" if recipe.is_delayed else "")
+                     + (f", first/last {args.first_last_layers_bf16} layers high precision" if args.first_last_layers_bf16 else "")
+                     + (f", saturation guard at {args.fp8_saturation_guard_threshold:g} x {args.fp8_saturation_guard_patience}"
+                        if args.fp8_saturation_guard else ", saturation guard off"))
+    outputs = [f"{name} {path}" for name, path in (
+        ("checkpoints", args.save), ("metrics", args.log_dir and f"{args.log_dir}/metrics.jsonl"),
+        ("tensorboard", args.tensorboard_dir)) if path]
+    train_iters = -(-args.train_samples // args.global_batch_size)
+    return [
+        f"megafp8: layout {layout}",
+        f"megafp8: batch {args.global_batch_size} samples per iteration = {args.num_micro_batches} micro-batches of "
+        f"{args.micro_batch_size} x DP {ps.dp_size}; {args.global_batch_size * args.seq_length:,} tokens per "
+        f"iteration, {train_iters} iterations",
+        f"megafp8: parameters {params}",
+        f"megafp8: precision {precision}",
+        f"megafp8: outputs {', '.join(outputs) if outputs else 'none (no --save, --log-dir or --tensorboard-dir)'}",
+    ]
+
+
 def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig) -> int:
     parallel_state.init_process_groups(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     torch.manual_seed(args.seed)  # data-independent randomness; parameters come from (seed, name) generators
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
+    total_params, per_stage = parameter_counts(pipeline, parallel_state)
+    if parallel_state.rank == 0:
+        print("\n".join(startup_banner(args, parallel_state, total_params, per_stage)), flush=True)
     fp8 = Fp8Recipe.from_args(args) is not None
     guard = None
     if fp8 and args.fp8_saturation_guard:

@@ -166,7 +166,7 @@ class Trainer:
         args, p = self.args, self.progress
         stop = StopSignal()
         self.ps.comm.reset()  # setup traffic (the first parameter gather, a checkpoint load) is no iteration's
-        start_time = time.monotonic()
+        start_time = self.start_time = time.monotonic()
         window_start, window_iters = time.perf_counter(), 0
         try:
             while p.iteration < self.train_iters:
@@ -221,7 +221,9 @@ class Trainer:
             elapsed_ms_per_iteration=1e3 * seconds_per_iteration, tflops_per_device=tflops,
             comm_bytes=self.ps.comm.snapshot_and_reset(),
             model_state_bytes_per_param=self.optimizer.model_state_bytes_per_param(),
-            mfu_bf16=tflops / self.peak[0] if self.peak else None, mfu_fp8=tflops / self.peak[1] if self.peak else None)
+            mfu_bf16=tflops / self.peak[0] if self.peak else None, mfu_fp8=tflops / self.peak[1] if self.peak else None,
+            elapsed_s=time.monotonic() - self.start_time,
+            eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration))
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
             self.log.log_iteration(record, telemetry)

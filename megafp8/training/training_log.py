@@ -48,6 +48,10 @@ class IterationRecord:
     model_state_bytes_per_param: float = float("nan")
     mfu_bf16: float | None = None
     mfu_fp8: float | None = None
+    # Console only (not metrics.jsonl): wall time since this process started training, and the time the
+    # remaining iterations take at this record's rate.
+    elapsed_s: float | None = None
+    eta_s: float | None = None
 
     def console_line(self) -> str:
         """Megatron's log line (DESIGN.md), one field per `|`."""
@@ -65,12 +69,25 @@ class IterationRecord:
         ]
         if self.mfu_bf16 is not None:
             fields.insert(4, f"MFU vs BF16 / FP8 peak: {100 * self.mfu_bf16:.1f}% / {100 * self.mfu_fp8:.1f}%")
+        if self.elapsed_s is not None:  # appended: the fields before are Megatron's, in Megatron's order
+            fields.append(f"elapsed: {_hms(self.elapsed_s)}")
+        if self.eta_s is not None:
+            fields.append(f"ETA: {_hms(self.eta_s)}")
         return " " + " | ".join(fields) + " |"
 
     def json_record(self) -> dict:
         record = asdict(self)
+        del record["elapsed_s"], record["eta_s"]
         record["comm_bytes"] = {kind: int(self.comm_bytes.get(kind, 0)) for kind in COMM_KINDS}
         return {k: _finite_or_none(v) for k, v in record.items()}
+
+
+def _hms(seconds: float) -> str:
+    """H:MM:SS (hours unbounded), as Megatron-style logs and schedulers print durations."""
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _finite_or_none(value):
