@@ -9,6 +9,7 @@ Writes REPORT_DIR/report.md and PNG plots. A run is named by its directory's bas
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -327,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, help="tokens per sample: plot loss against tokens")
     parser.add_argument("--band", type=float, default=0.01, help="relative final-loss gap counted as parity")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # checked first: not after reading every run
+        print("fp8_report: error: the report's plots need the matplotlib package, which is not installed: "
+              "pip install matplotlib (or pip install -e \".[report]\")", file=sys.stderr)
+        return 2
     try:
         runs = [load_run(path) for path in args.runs]
         report = write_report(runs, args.baseline, Path(args.output), args.seq_length, args.band)

@@ -1,5 +1,6 @@
 """Print every flag of the training entry (`megafp8.pretrain`) by group, as markdown tables: flag,
-accepted values, default and the parser's help, straight from megafp8.training.arguments.build_parser.
+accepted values, default and the parser's help, straight from megafp8.training.arguments.build_parser
+(the one source of `--help` and of docs/training.md's flag tables, which tests/test_training_docs.py checks).
 
     python tools/print_flags.py                  # all groups
     python tools/print_flags.py --group "precision and FP8"
@@ -30,14 +31,24 @@ def _values(action: argparse.Action) -> str:
     return f"{kind} ..." if action.nargs == "+" else kind + (" (optional)" if action.nargs == "?" else "")
 
 
+def _default(action: argparse.Action) -> str:
+    # A switch's default is "off" by construction (for --no-... flags the stored True would read backwards);
+    # None means derived from other flags, which the help says.
+    if action.nargs == 0 or action.default is None:
+        return ""
+    return f"`{action.default}`"
+
+
+def table(actions: list[argparse.Action]) -> list[str]:
+    """One group's flags as a markdown table (docs/training.md embeds these tables verbatim)."""
+    return ["| flag | values | default | what it does |", "|---|---|---|---|"] + [
+        f"| `{a.option_strings[0]}` | {_values(a)} | {_default(a)} | {a.help or ''} |" for a in actions]
+
+
 def markdown(groups: dict[str, list[argparse.Action]]) -> str:
     lines = []
     for title, actions in groups.items():
-        lines += [f"### {title}", "", "| flag | values | default | parser help |", "|---|---|---|---|"]
-        for a in actions:
-            default = "" if a.default is None or a.default is False else f"`{a.default}`"
-            lines.append(f"| `{a.option_strings[0]}` | {_values(a)} | {default} | {a.help or ''} |")
-        lines.append("")
+        lines += [f"### {title}", "", *table(actions), ""]
     return "\n".join(lines)
 
 
