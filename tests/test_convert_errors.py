@@ -1,5 +1,7 @@
 """Conversion inputs megafp8 cannot convert fail with one clear message naming the tensor, field, flag or
-file, and leave nothing under the target name (nor a temporary beside it)."""
+file (a --load-dir that is missing or not a checkpoint, in every --load-format, too), and leave nothing under
+the target name (nor a temporary beside it)."""
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -10,6 +12,8 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 from convert_testing import convert, tiny_hf_llama  # noqa: E402
+from data_fixtures import REPO_ROOT  # noqa: E402
+from megatron_testing import save_rank_file, synthetic_megatron_state  # noqa: E402
 
 SHARD = "model-00002-of-00004.safetensors"  # holds some of layer 0
 
@@ -84,9 +88,6 @@ def test_hf_input_errors_name_the_cause_and_write_nothing(case, pristine, tmp_pa
 
 
 def test_megafp8_input_errors(pristine, tmp_path):
-    result = convert("--load-format", "megafp8", "--save-format", "hf", "--load-dir", tmp_path / "nothing",
-                     "--save-dir", tmp_path / "out")
-    assert result.returncode == 1 and "has no latest_checkpointed_iteration.txt" in result.stderr
     assert convert("--load-format", "hf", "--save-format", "megafp8", "--load-dir", pristine,
                    "--save-dir", tmp_path / "m8").returncode == 0
     data = next((tmp_path / "m8" / "iter_0000000").glob("*.distcp"))
@@ -98,3 +99,64 @@ def test_megafp8_input_errors(pristine, tmp_path):
                      "--save-dir", tmp_path / "m8")
     assert result.returncode == 1 and "already exists and is not empty" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m8"]
+
+
+def _convert_in_process(capsys, *args) -> tuple[int, str]:
+    """tools/convert_checkpoint.py's main() here (cheaper than a subprocess for checks that fail early)."""
+    spec = importlib.util.spec_from_file_location("convert_checkpoint",
+                                                  os.path.join(REPO_ROOT, "tools", "convert_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    code = tool.main(["--no-progress", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+FORMATS = {"hf": ("megafp8", "has no config.json"), "megafp8": ("hf", "has no latest_checkpointed_iteration.txt"),
+           "megatron": ("megafp8", "has no latest_checkpointed_iteration.txt")}
+
+
+@pytest.mark.parametrize("load_format", list(FORMATS))
+def test_load_dir_that_is_not_a_checkpoint_names_the_flag_and_path(load_format, tmp_path, capsys):
+    save_format, empty_message = FORMATS[load_format]
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for name, message in (("nope", "does not exist"), ("a_file", "is not a directory"), ("empty", empty_message)):
+        code, err = _convert_in_process(capsys, "--load-format", load_format, "--save-format", save_format,
+                                        "--load-dir", tmp_path / name, "--save-dir", tmp_path / "out")
+        assert code == 1 and f"error: --load-dir {tmp_path / name} {message}" in err, err
+    if load_format != "hf":
+        code, err = _convert_in_process(capsys, "--load-format", load_format, "--save-format", save_format,
+                                        "--load-dir", tmp_path / "empty", "--load-iteration", "5",
+                                        "--save-dir", tmp_path / "out")
+        assert code == 1 and f"--load-iteration 5: --load-dir {tmp_path / 'empty'} has no iter_0000005" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "empty"]
+
+
+def test_megatron_input_errors(tmp_path, capsys):
+    """Rank files Megatron did not finish writing, args without the model's shape, a tracker naming a missing
+    iteration, a torch_dist checkpoint: one line naming the file or field."""
+    def run(root: Path) -> str:
+        code, err = _convert_in_process(capsys, "--load-format", "megatron", "--save-format", "megafp8",
+                                        "--load-dir", root, "--save-dir", tmp_path / "out")
+        assert code == 1 and "Traceback" not in err
+        return err
+
+    state = synthetic_megatron_state()
+    rank_file = save_rank_file(tmp_path / "truncated", 0, 0, state)
+    os.truncate(rank_file, rank_file.stat().st_size // 2)
+    assert f"{rank_file} is truncated or not a PyTorch checkpoint" in run(tmp_path / "truncated")
+
+    save_rank_file(tmp_path / "no_shape", 0, 0, state, num_layers=None, hidden_size="64")
+    assert "the saved args lack num_layers, hidden_size" in run(tmp_path / "no_shape")
+
+    save_rank_file(tmp_path / "ahead", 0, 0, state)
+    (tmp_path / "ahead" / "latest_checkpointed_iteration.txt").write_text("20")
+    assert f"names 20, but {tmp_path / 'ahead' / 'iter_0000020'} does not exist" in run(tmp_path / "ahead")
+
+    distributed = tmp_path / "torch_dist" / "iter_0000010"
+    distributed.mkdir(parents=True)
+    (distributed / ".metadata").write_bytes(b"")
+    (distributed / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / "torch_dist" / "latest_checkpointed_iteration.txt").write_text("10")
+    assert "has no mp_rank_XX[_YYY] directories (it is a torch_dist checkpoint" in run(tmp_path / "torch_dist")
+    assert not (tmp_path / "out").exists()

@@ -1,36 +1,55 @@
-"""Megatron-LM legacy checkpoints -> megafp8. The fixture's parameters come from Megatron-Core's own GPTModel
-(local spec, RMSNorm, SwiGLU, GQA, RoPE, untied; built on CPU: its forward needs CUDA, so logits are not
-compared here). TP=1: written as Megatron-LM does (``iter_N/mp_rank_00/model_optim_rng.pt`` with ``model``
-and ``args``); the converted tensors equal Megatron-Core's under the documented name map. TP=2 x PP=2: the
-same weights cut the way Megatron-Core shards them (whole query groups per rank, ``[gate_r; up_r]``, stage-local
-layer indices) into ``mp_rank_XX_YYY`` files: this fixture is built here, not by Megatron's code; it must
-convert to the bit-identical megafp8 checkpoint; so must the Transformer Engine spec's names."""
+"""Megatron-LM legacy checkpoints -> megafp8, with or without Megatron installed.
+
+The first fixture's parameters come from Megatron-Core's own GPTModel (local spec, RMSNorm, SwiGLU, GQA, RoPE,
+untied; built on CPU: its forward needs CUDA, so logits are not compared here). TP=1: written as Megatron-LM does
+(``iter_N/mp_rank_00/model_optim_rng.pt`` with ``model``, ``args`` holding Megatron enums, RNG and optimizer
+state); the converted tensors equal Megatron-Core's under the documented name map. TP=2 x PP=2: the same weights
+cut the way Megatron-Core shards them into ``mp_rank_XX_YYY`` files (built here, not by Megatron's code); it must
+convert to the bit-identical megafp8 checkpoint; so must the Transformer Engine spec's names. Every rank file
+also names a class the installed Megatron-Core lacks and one from a package that does not exist (as a file
+from another Megatron version does); the converter reads them with every ``megatron`` import blocked too."""
 import argparse
+import io
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from convert_testing import checkpoint_tensors, convert  # noqa: E402
+from data_fixtures import REPO_ROOT
 from distributed_testing import run_distributed  # noqa: E402
+from megatron_testing import (DistributedOptimizerState, RunsCode, expected_megafp8, foreign_class, save_rank_file,
+                              shard_tp2_pp2, synthetic_megatron_state)
 
-ARGS = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
-            group_query_attention=True, seq_length=16, max_position_embeddings=32, norm_epsilon=1e-5,
-            rotary_base=500000, untie_embeddings_and_output_weights=True, swiglu=True, normalization="RMSNorm",
-            position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=False, padded_vocab_size=128,
-            vocab_size=100, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+from megafp8.checkpoint import safe_unpickler
+
+# tools/convert_checkpoint.py run where `import megatron...` raises, checking nothing imported it after all
+_NO_MEGATRON = """
+import runpy, sys
+class BlockMegatron:
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ImportError(f"{name}: blocked by the test")
+sys.meta_path.insert(0, BlockMegatron())
+try:
+    import megatron.core
+    raise SystemExit("the blocker did not block megatron.core")
+except ImportError:
+    pass
+sys.argv = ["tools/convert_checkpoint.py", *sys.argv[1:]]
+try:
+    runpy.run_path("tools/convert_checkpoint.py", run_name="__main__")
+finally:
+    assert not [m for m in sys.modules if m.split(".")[0] == "megatron"]
+"""
 
 
-def _save(root: Path, tp: int, pp: int, model: dict, staged: bool = False, **changes) -> None:
-    """One rank's file as Megatron-LM writes it (``mp_rank_XX`` at PP=1, ``mp_rank_XX_YYY`` with stages)."""
-    rank_dir = root / "iter_0000010" / (f"mp_rank_{tp:02d}_{pp:03d}" if staged else f"mp_rank_{tp:02d}")
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    args = argparse.Namespace(**{**ARGS, **changes})
-    torch.save({"model": model, "args": args, "iteration": 10, "checkpoint_version": 3.0},
-               rank_dir / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("10")
+def convert_without_megatron(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NO_MEGATRON, "--no-progress", *map(str, args)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
 def _megatron_core_body(rank: int, world_size: int, root: str) -> None:
@@ -38,6 +57,7 @@ def _megatron_core_body(rank: int, world_size: int, root: str) -> None:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -52,55 +72,32 @@ def _megatron_core_body(rank: int, world_size: int, root: str) -> None:
         for name, param in model.named_parameters():
             if "layernorm" in name:
                 param.uniform_(0.5, 1.5)
-    _save(Path(root) / "tp1", 0, 0, model.state_dict())
-
-
-def _shard_tp2_pp2(state: dict, root: Path) -> None:
-    """Megatron-Core's TP=2 x PP=2 cut of a TP=1 state dict."""
-    for tp in range(2):
-        for pp in range(2):
-            part = {}
-            for name, value in state.items():
-                if name.endswith("_extra_state"):
-                    part[name] = value
-                    continue
-                if name.startswith("decoder.layers."):
-                    layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
-                    if int(layer) != pp:
-                        continue
-                    name = f"decoder.layers.0.{rest}"
-                elif name.startswith("embedding.") and pp != 0 or not name.startswith("embedding.") and \
-                        not name.startswith("decoder.layers.") and pp != 1:
-                    continue
-                if name.endswith(("linear_qkv.weight", "word_embeddings.weight")) or name == "output_layer.weight":
-                    value = value.chunk(2)[tp]
-                elif name.endswith("linear_fc1.weight"):
-                    gate, up = value.chunk(2)
-                    value = torch.cat([gate.chunk(2)[tp], up.chunk(2)[tp]])
-                elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-                    value = value.chunk(2, dim=1)[tp]
-                part[name] = value.clone()
-            _save(root, tp, pp, part, staged=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    torch.save(model.state_dict(), Path(root) / "reference.pt")  # plain tensors: the test's reference
+    # Megatron-LM's args hold Megatron-Core's enums (attention_backend is one since 0.11)
+    save_rank_file(Path(root) / "tp1", 0, 0, model.state_dict(), extra_args={"attention_backend": AttnBackend.auto})
 
 
 def test_megatron_checkpoints_convert(tmp_path):
+    pytest.importorskip("megatron.core")
     run_distributed(_megatron_core_body, world_size=1, args=(str(tmp_path),), timeout_s=300)
+    state = torch.load(tmp_path / "reference.pt", weights_only=True)
     rank_file = tmp_path / "tp1" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=False)["model"]
+    with pytest.raises(AttributeError, match="InferenceCudaGraphScope"):  # the issue: a plain load fails
+        torch.load(rank_file, weights_only=False)
     result = convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp1",
                      "--save-dir", tmp_path / "m8")
     assert result.returncode == 0, result.stderr
     ours = checkpoint_tensors(tmp_path / "m8")
-    expected = {"model.embedding.weight": state["embedding.word_embeddings.weight"][:100],
-                "model.output_layer.weight": state["output_layer.weight"][:100],
-                "model.final_layernorm.weight": state["decoder.final_layernorm.weight"]}
-    for name, value in state.items():
-        if name.startswith("decoder.layers.") and not name.endswith("_extra_state"):
-            expected["model." + name.removeprefix("decoder.")] = value
+    expected = expected_megafp8(state)
     assert sorted(ours) == sorted(expected)
     assert all(torch.equal(ours[k], expected[k]) for k in ours)
+    result = convert_without_megatron("--load-format", "megatron", "--save-format", "megafp8", "--load-dir",
+                                      tmp_path / "tp1", "--save-dir", tmp_path / "m8_no_megatron")
+    assert result.returncode == 0, result.stderr
+    no_megatron = checkpoint_tensors(tmp_path / "m8_no_megatron")
+    assert sorted(no_megatron) == sorted(ours) and all(torch.equal(no_megatron[k], ours[k]) for k in ours)
 
-    _shard_tp2_pp2(state, tmp_path / "tp2pp2")
+    shard_tp2_pp2(state, tmp_path / "tp2pp2")
     assert convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp2pp2",
                    "--save-dir", tmp_path / "m8_tp2pp2").returncode == 0
     sharded = checkpoint_tensors(tmp_path / "m8_tp2pp2")
@@ -114,14 +111,14 @@ def test_megatron_checkpoints_convert(tmp_path):
         for old, new in renames.items():
             name = name.replace(old, new)
         te_state[name] = value
-    _save(tmp_path / "te", 0, 0, te_state)
+    save_rank_file(tmp_path / "te", 0, 0, te_state)
     assert convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "te",
                    "--save-dir", tmp_path / "m8_te").returncode == 0
     te = checkpoint_tensors(tmp_path / "m8_te")
     assert sorted(te) == sorted(ours) and all(torch.equal(te[k], ours[k]) for k in ours)
 
     # a model megafp8 does not have, and a missing rank file: clear errors, nothing written
-    _save(tmp_path / "bias", 0, 0, state, add_bias_linear=True)
+    save_rank_file(tmp_path / "bias", 0, 0, state, add_bias_linear=True)
     result = convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "bias",
                      "--save-dir", tmp_path / "out")
     assert result.returncode == 1 and "--add-bias-linear True" in result.stderr
@@ -130,3 +127,66 @@ def test_megatron_checkpoints_convert(tmp_path):
                      "--save-dir", tmp_path / "out")
     assert result.returncode == 1 and "mp_rank_01_001" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+class ForeignNamespace(argparse.Namespace):
+    """Megatron's ``args`` as a Namespace subclass of a module that does not exist here."""
+
+
+def test_rank_files_naming_missing_classes_convert_without_megatron(tmp_path):
+    """A TP=2 x PP=2 checkpoint whose args, optimizer and RNG state name classes nobody here can import (and
+    whose args hold an object that runs a shell command when plain pickle loads it) converts to the documented
+    name map of its weights, the same with every megatron import blocked, and runs no code from the file."""
+    marker = tmp_path / "code_from_the_file_ran"
+    state = synthetic_megatron_state()
+    with foreign_class(ForeignNamespace, "nonexistent_pkg.arguments"):
+        shard_tp2_pp2(state, tmp_path / "tp2pp2", args_class=ForeignNamespace,
+                      extra_args={"post_load_hook": RunsCode(marker)})
+    rank_file = tmp_path / "tp2pp2" / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt"
+    with pytest.raises(ModuleNotFoundError, match="nonexistent_pkg"):
+        torch.load(rank_file, weights_only=False)
+    expected = expected_megafp8(state)
+    flags = ("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp2pp2")
+    result = convert(*flags, "--save-dir", tmp_path / "m8")
+    assert result.returncode == 0, result.stderr
+    result = convert_without_megatron(*flags, "--save-dir", tmp_path / "m8_no_megatron")
+    assert result.returncode == 0, result.stderr
+    for out in ("m8", "m8_no_megatron"):
+        ours = checkpoint_tensors(tmp_path / out)
+        assert sorted(ours) == sorted(expected) and all(torch.equal(ours[k], expected[k]) for k in ours), out
+    assert not marker.exists()
+
+
+def test_safe_unpickler_keeps_tensors_and_records_the_rest(tmp_path):
+    marker = tmp_path / "ran"
+    weight = torch.randn(3, 4)
+    with foreign_class(DistributedOptimizerState, "nonexistent_pkg.optimizer"):
+        torch.save({"w": weight, "view": weight[1:, ::2], "opt": DistributedOptimizerState({"w": weight}),
+                    "hook": RunsCode(marker), "p": torch.nn.Parameter(weight), "dtype": torch.bfloat16,
+                    "bytes": b"\x00\xff", "set": {1, 2}},
+                   tmp_path / "zip.pt")
+        torch.save({"w": weight, "opt": DistributedOptimizerState({"w": weight})}, tmp_path / "legacy.pt",
+                   _use_new_zipfile_serialization=False)
+    loaded = safe_unpickler.load(tmp_path / "zip.pt")
+    assert torch.equal(loaded["w"], weight) and torch.equal(loaded["view"], weight[1:, ::2])
+    assert type(loaded["p"]) is torch.nn.Parameter and torch.equal(loaded["p"], weight)
+    assert loaded["dtype"] is torch.bfloat16 and loaded["bytes"] == b"\x00\xff" and loaded["set"] == {1, 2}
+    opt = loaded["opt"]
+    assert isinstance(opt, safe_unpickler.Placeholder)
+    assert opt.qualified_name == "nonexistent_pkg.optimizer.DistributedOptimizerState"
+    assert torch.equal(opt.fields()["tensors"]["w"], weight) and opt.fields()["grad_scaler"] == {"scale": 4096.0}
+    hook = loaded["hook"]
+    assert hook.qualified_name in ("posix.system", "nt.system") and hook.args == (f"touch {marker}",)
+    assert not marker.exists()
+    legacy = safe_unpickler.load(tmp_path / "legacy.pt")
+    assert torch.equal(legacy["w"], weight) and torch.equal(legacy["opt"].fields()["tensors"]["w"], weight)
+
+    # BUILD on a class the file names would patch this process's code (argparse.Namespace.x = ...): refused
+    patch_a_class = (pickle.PROTO + b"\x02" + pickle.GLOBAL + b"argparse\nNamespace\n" + pickle.NONE
+                     + pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + b"\x01x" + pickle.BININT1 + b"\x01"
+                     + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.STOP)
+    with pytest.raises(pickle.UnpicklingError, match="class or function"):
+        safe_unpickler.Unpickler(io.BytesIO(patch_a_class)).load()
+    assert not hasattr(argparse.Namespace, "x")
+    assert pickle.loads(patch_a_class) is argparse.Namespace and argparse.Namespace.x == 1  # what plain pickle does
+    del argparse.Namespace.x

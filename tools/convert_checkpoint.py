@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,6 +20,32 @@ def parse_size(text: str) -> int:
         if upper.endswith(unit):
             return int(float(upper[: -len(unit)]) * factor)
     return int(upper)
+
+
+def check_load_dir(load_dir: str, load_format: str, iteration: int | None) -> None:
+    """--load-dir must be a directory holding what --load-format reads first; else one line naming it."""
+    path = Path(load_dir)
+    if not path.exists():
+        raise CheckpointError(f"--load-dir {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"--load-dir {path} is not a directory (--load-format {load_format} reads a "
+                              "checkpoint directory)")
+    if load_format == "hf":
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"--load-dir {path} has no config.json: not a Hugging Face model directory")
+        if not any(path.glob("*.safetensors")):
+            raise CheckpointError(f"--load-dir {path} has no *.safetensors files (PyTorch .bin checkpoints: "
+                                  "re-save them with save_pretrained(safe_serialization=True))")
+        return
+    kind = "megafp8" if load_format == "megafp8" else "Megatron-LM"
+    if iteration is None:
+        if not (path / "latest_checkpointed_iteration.txt").is_file():
+            raise CheckpointError(f"--load-dir {path} has no latest_checkpointed_iteration.txt: not a {kind} "
+                                  "checkpoint directory (or pass --load-iteration)")
+    elif not (path / f"iter_{iteration:07d}").is_dir():
+        saved = sorted(p.name for p in path.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+        raise CheckpointError(f"--load-iteration {iteration}: --load-dir {path} has no iter_{iteration:07d} "
+                              f"(it has {', '.join(saved) or 'no iter_* directories'})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from megafp8.checkpoint.hf_files import use_mmap_for_large_allocations  # noqa: PLC0415
     use_mmap_for_large_allocations()  # peak memory: about one tensor, independent of the model's size
     try:
+        check_load_dir(args.load_dir, args.load_format, args.load_iteration)
         if args.load_format == "hf" and args.save_format == "megafp8":
             config = hf_to_megafp8(args.load_dir, args.save_dir, target_tp=args.target_tensor_parallel_size,
                                    target_pp=args.target_pipeline_parallel_size, progress=not args.no_progress)

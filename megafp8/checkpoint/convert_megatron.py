@@ -4,21 +4,26 @@ parameter names, any TP/PP, no virtual pipeline) -> a megafp8 checkpoint at iter
 Megatron-Core's TP shards are the same as megafp8's: ``linear_qkv`` rows are whole query groups
 (group-interleaved q/k/v, concatenated over TP), ``linear_fc1`` is ``[gate_r; up_r]`` per rank (stride 2),
 ``linear_proj``/``linear_fc2`` are split along the input, the vocab along rows. Layer indices in a rank file
-are local to its pipeline stage (uniform split). Rank files are opened with ``torch.load(mmap=True)`` and
-each global tensor is assembled only when it is written.
+are local to its pipeline stage (uniform split). Rank files are mmapped through a restricted unpickler
+(``safe_unpickler``): tensors load as usual, Megatron's own classes (the enums among the saved flags, RNG and
+optimizer state) become inert placeholders, so any Megatron version, or none, reads them and no code from the
+file runs. Each global tensor is assembled only when it is written.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megafp8.checkpoint import safe_unpickler
 from megafp8.checkpoint.convert_hf import check_target_layout, write_streamed_checkpoint
 from megafp8.checkpoint.hf_files import ConversionError
+from megafp8.checkpoint.safe_unpickler import Placeholder
 from megafp8.model.config import ModelConfig
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -34,32 +39,83 @@ _LAYER_MAP = {
 }
 
 
+_TRACKER = "latest_checkpointed_iteration.txt"
+# the saved flags a ModelConfig cannot do without (the vocab: vocab_size, else padded_vocab_size)
+_REQUIRED_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length")
+
+
 def _iteration_dir(load_dir: Path, iteration: int | None) -> Path:
-    if iteration is None:
-        tracker = load_dir / "latest_checkpointed_iteration.txt"
-        if not tracker.exists():
-            raise ConversionError(f"--load-dir {load_dir} has no latest_checkpointed_iteration.txt: not a "
-                                  "Megatron-LM checkpoint directory (or pass --load-iteration)")
-        text = tracker.read_text().strip()
-        return load_dir / ("release" if text == "release" else f"iter_{int(text):07d}")
-    return load_dir / f"iter_{iteration:07d}"
+    if not load_dir.is_dir():
+        raise ConversionError(f"--load-dir {load_dir} " + ("is not a directory" if load_dir.exists() else
+                                                          "does not exist"))
+    if iteration is not None:
+        path = load_dir / f"iter_{iteration:07d}"
+        if not path.is_dir():
+            raise ConversionError(f"--load-iteration {iteration}: {path} does not exist")
+        return path
+    tracker = load_dir / _TRACKER
+    if not tracker.exists():
+        raise ConversionError(f"--load-dir {load_dir} has no {_TRACKER}: not a Megatron-LM checkpoint directory "
+                              "(or pass --load-iteration)")
+    text = tracker.read_text().strip()
+    if text != "release" and not text.isdigit():
+        raise ConversionError(f"{tracker} is corrupt: expected an iteration number or 'release', found {text[:40]!r}")
+    path = load_dir / ("release" if text == "release" else f"iter_{int(text):07d}")
+    if not path.is_dir():
+        raise ConversionError(f"{tracker} names {text}, but {path} does not exist (pass --load-iteration)")
+    return path
 
 
-def _config(args: argparse.Namespace, source: str) -> ModelConfig:
-    get = vars(args).get
+def _load_rank_file(file: Path) -> dict[str, Any]:
+    """One rank's state dict, through the restricted unpickler; a file that is not one names itself."""
+    try:
+        state = safe_unpickler.load(file)
+    except OSError as e:
+        raise ConversionError(f"cannot read {file}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the unpickler met, the file is the cause
+        if not zipfile.is_zipfile(file):  # every torch.save since torch 1.6 writes a zip; its directory is last
+            raise ConversionError(f"{file} is truncated or not a PyTorch checkpoint "
+                                  f"({type(e).__name__}: {e})") from None
+        raise ConversionError(f"{file} is a PyTorch checkpoint that cannot be read "
+                              f"({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "model" not in state and "model0" not in state:
+        raise ConversionError(f"{file} holds no 'model' state dict: not a Megatron-LM rank file")
+    return state
+
+
+def _saved_flags(state: dict[str, Any], source: str) -> dict[str, Any]:
+    """The flags Megatron-LM saved with the checkpoint (``args``), by name."""
+    args = state.get("args")
+    if isinstance(args, argparse.Namespace):
+        return vars(args)
+    if isinstance(args, Placeholder):  # a Namespace subclass of a Megatron version this loader does not import
+        return args.fields()
+    if isinstance(args, dict):
+        return args
+    raise ConversionError(f"{source} has no saved 'args' (the flags Megatron-LM stores with every checkpoint): "
+                          "cannot describe the model")
+
+
+def _config(flags: dict[str, Any], source: str) -> ModelConfig:
+    get = flags.get
     problems = [f"--{name.replace('_', '-')} {get(name)!r}" for name, ok in (
         ("swiglu", True), ("normalization", "RMSNorm"), ("position_embedding_type", "rope"), ("add_bias_linear", False),
         ("add_qkv_bias", False), ("num_layers_per_virtual_pipeline_stage", None), ("num_experts", None))
-        if name in vars(args) and get(name) != ok]
+        if name in flags and get(name) != ok]
     if problems:
         raise ConversionError(f"{source}: the checkpoint's flags {', '.join(problems)} describe a model megafp8's "
                               "Llama does not have (needs --swiglu, RMSNorm, RoPE, no biases, no MoE, no VPP)")
     vocab = get("vocab_size") or get("padded_vocab_size")
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-                       num_attention_heads=args.num_attention_heads,
+    missing = [name for name in _REQUIRED_FLAGS if not isinstance(get(name), int)]
+    missing += [] if isinstance(vocab, int) else ["vocab_size (or padded_vocab_size)"]
+    if missing:
+        raise ConversionError(f"{source}: the saved args lack {', '.join(missing)} (or hold no integer there): "
+                              "cannot describe the model")
+    return ModelConfig(num_layers=get("num_layers"), hidden_size=get("hidden_size"),
+                       ffn_hidden_size=get("ffn_hidden_size"), num_attention_heads=get("num_attention_heads"),
                        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
-                       vocab_size=vocab, seq_length=args.seq_length,
-                       max_position_embeddings=get("max_position_embeddings") or args.seq_length,
+                       vocab_size=vocab, seq_length=get("seq_length"),
+                       max_position_embeddings=get("max_position_embeddings") or get("seq_length"),
                        norm_eps=get("norm_epsilon", 1e-5), rope_theta=get("rotary_base", 10000),
                        tie_embeddings=not get("untie_embeddings_and_output_weights", False),
                        init_method_std=get("init_method_std", 0.02))
@@ -70,29 +126,27 @@ def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration
     """Convert a Megatron-LM legacy checkpoint (any TP/PP) into a megafp8 checkpoint at iteration 0.
 
     The vocab is the checkpoint's ``--vocab-size`` when saved, else its padded vocab (extra rows kept)."""
-    path = _iteration_dir(Path(load_dir), iteration)
+    load_dir = Path(load_dir)
+    path = _iteration_dir(load_dir, iteration)
     ranks = {}
-    for entry in sorted(path.iterdir()) if path.is_dir() else []:
+    for entry in sorted(path.iterdir()):
         match = _RANK_DIR.match(entry.name)
         if match:
             ranks[(int(match[1]), int(match[2] or 0))] = entry / "model_optim_rng.pt"
     if not ranks:
-        raise ConversionError(f"{path} has no mp_rank_XX[_YYY] directories")
+        distributed = any(p.suffix == ".distcp" or p.name == ".metadata" for p in path.iterdir())
+        raise ConversionError(f"--load-dir {load_dir}: {path} has no mp_rank_XX[_YYY] directories" + (
+            " (it is a torch_dist checkpoint: convert it to the legacy format with Megatron-LM's "
+            "tools/checkpoint/convert.py first)" if distributed else ""))
     tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
                if (t, p) not in ranks or not ranks[(t, p)].exists()]
     if missing:
         raise ConversionError(f"{path}: rank files missing: {missing}")
-    states: dict[tuple[int, int], dict[str, Any]] = {}
-    for key, file in ranks.items():
-        try:  # a Megatron checkpoint pickles its argparse Namespace: load only files you trust
-            states[key] = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
-            raise ConversionError(f"{file} is truncated or not a PyTorch checkpoint "
-                                  f"({type(e).__name__}: {e})") from None
+    states = {key: _load_rank_file(file) for key, file in ranks.items()}
     if "model0" in states[(0, 0)]:
         raise ConversionError(f"{path}: virtual-pipeline checkpoints (model0, model1, ...) are not supported")
-    config = _config(states[(0, 0)]["args"], str(ranks[(0, 0)]))
+    config = _config(_saved_flags(states[(0, 0)], str(ranks[(0, 0)])), str(ranks[(0, 0)]))
     check_target_layout(config, target_tp, target_pp)
     if config.num_layers % pp:
         raise ConversionError(f"{path}: {config.num_layers} layers do not split evenly over PP={pp} (uneven stages "
