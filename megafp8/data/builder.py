@@ -46,6 +46,29 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[float] | None,
     return weights, prefixes
 
 
+def samples_available(data_path: Sequence[str] | str, split: str, seq_length: int,
+                      add_extra_token_to_sequence: bool = True) -> list[int | None]:
+    """Per split (train, valid, test): the most samples ``build_train_valid_test_datasets`` can give, or
+    ``None`` where it builds any count asked for. Cheap: reads the document lengths of each index only.
+
+    Only an unweighted list of several prefixes is bounded: Megatron-Core builds one epoch of each member
+    and caps the blend at their sum (``BlendedMegatronDatasetBuilder``, weights ``None`` with a size), so a
+    longer request gets a shorter dataset. One prefix repeats its epochs, and a weighted blend sizes its
+    members to the request.
+    """
+    weights, prefixes = parse_data_path(data_path)
+    if len(prefixes) == 1 or weights is not None:
+        return [None] * len(SPLIT_NAMES)
+    split_weights = parse_split(split)
+    available = [0] * len(SPLIT_NAMES)
+    for prefix in prefixes:
+        lengths = np.asarray(IndexedDataset(prefix).sequence_lengths)
+        for s, (begin, end) in enumerate(split_ranges(len(lengths), split_weights)):
+            tokens = int(lengths[begin:end].sum(dtype=np.int64))
+            available[s] += samples_in(tokens, seq_length, int(add_extra_token_to_sequence))
+    return available
+
+
 def default_cache_dir(path_prefix: str) -> str:
     """Where index caches go unless told otherwise: a ``cache/`` folder beside the data."""
     return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megafp8.data.builder import build_train_valid_test_datasets
+from megafp8.data.builder import build_train_valid_test_datasets, samples_available
 from megafp8.data.sampler import build_pretraining_data_loader
 from megafp8.data.tokenizer import build_tokenizer
 from megafp8.parallel.parallel_state import ParallelState
@@ -22,12 +22,43 @@ def num_validation_samples(args: argparse.Namespace) -> int:
     return (train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
 
 
+def training_length_errors(args: argparse.Namespace) -> list[str]:
+    """The training length checked against what --data-path gives, before any training (one line each).
+
+    Only an unweighted list of prefixes can fall short (Megatron-Core gives one epoch of each member and
+    no more): there a longer run would stop mid-way when the data ends, so it is refused up front."""
+    if not args.data_path or not args.train_samples or min(args.seq_length or 0, args.global_batch_size or 0) <= 0:
+        return []  # the flags' own checks report these
+    try:
+        available = samples_available(args.data_path, args.split, args.seq_length)[0]
+    except ValueError as e:  # a bad --split (or --data-path, which input_errors reports too)
+        return [str(e)]
+    if available is None or args.train_samples <= available:
+        return []
+    return [_too_few_samples(args, available)]
+
+
+def _too_few_samples(args: argparse.Namespace, available: int) -> str:
+    if args.train_iters is not None:
+        requested = (f"--train-iters {args.train_iters} x --global-batch-size {args.global_batch_size} = "
+                     f"{args.train_samples} training samples")
+        longest = f"--train-iters {available // args.global_batch_size}"
+    else:
+        requested, longest = f"--train-samples {args.train_samples}", f"--train-samples {available}"
+    return (f"{requested} is more than the unweighted --data-path {' '.join(args.data_path)} gives: {available} "
+            f"samples, one epoch of each prefix's training split of --split {args.split} (Megatron-Core's "
+            f"unweighted blend); train at most {longest}, or give each prefix a weight "
+            "(--data-path WEIGHT PREFIX ...) to repeat its epochs")
+
+
 def build_datasets(args: argparse.Namespace):
     train, valid, _ = build_train_valid_test_datasets(
         args.data_path, args.split, args.seq_length, args.seed, train_samples=args.train_samples,
         valid_samples=num_validation_samples(args) if args.eval_iters > 0 else 0, test_samples=0)
     if train is None:
         raise ValueError(f"--split {args.split} leaves no training documents in --data-path {' '.join(args.data_path)}")
+    if len(train) < args.train_samples:  # megafp8.pretrain refuses this before training; a backstop for other callers
+        raise ValueError(_too_few_samples(args, len(train)))
     return train, valid
 
 
