@@ -66,10 +66,24 @@ def batches(dataset, consumed_samples: int, args: argparse.Namespace, parallel_s
             cycle: bool = False) -> Iterator[torch.Tensor]:
     """This DP rank's micro-batches of tokens ``[micro_batch, seq_length + 1]`` from ``consumed_samples`` on.
 
-    ``cycle``: start over when the dataset ends (validation re-reads its split; Megatron does the same)."""
+    ``cycle``: start over when the dataset ends (validation re-reads its split, as Megatron's cyclic loader);
+    ``consumed_samples`` then counts every sample read since the start (``consumed_valid_samples``, which
+    may exceed the dataset), and the iterator stands where an uninterrupted one would after reading them."""
     dp = parallel_state.dp_group
+    if cycle:
+        step = args.micro_batch_size * dp.size
+        per_pass = len(dataset) // step * step  # each pass reads the whole global micro-batches, from sample 0
+        if per_pass == 0:
+            raise ValueError(f"the validation split holds {len(dataset)} samples, fewer than one micro-batch "
+                             f"on each data-parallel rank (--micro-batch-size {args.micro_batch_size} x {dp.size}); "
+                             "give it more documents (--split) or set --eval-iters 0")
+        consumed_samples %= per_pass
+    return _batches(dataset, consumed_samples, args.micro_batch_size, dp, cycle)
+
+
+def _batches(dataset, consumed_samples: int, micro_batch_size: int, dp, cycle: bool) -> Iterator[torch.Tensor]:
     while True:
-        loader = build_pretraining_data_loader(dataset, consumed_samples, args.micro_batch_size,
+        loader = build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
                                                data_parallel_rank=dp.rank, data_parallel_size=dp.size)
         for batch in loader:
             yield batch["tokens"]

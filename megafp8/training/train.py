@@ -36,6 +36,7 @@ class TrainProgress:
     consumed_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    consumed_valid_samples: int = 0  # Megatron's name: validation resumes where it stopped (0 in older checkpoints)
 
 
 def learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule:
@@ -125,7 +126,8 @@ class Trainer:
         self.forced_overflow, self.forced_overflow_layer = self._forced_overflow()
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
-        self.valid_batches = batches(self.valid_data, 0, args, parallel_state, cycle=True) if self.valid_data else None
+        self.valid_batches = (batches(self.valid_data, self.progress.consumed_valid_samples, args, parallel_state,
+                                      cycle=True) if self.valid_data else None)
         self.flops = flops_per_iteration(args.global_batch_size, num_layers=args.num_layers,
                                          hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                                          num_attention_heads=args.num_attention_heads,
@@ -159,6 +161,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over --eval-iters global batches (no grads, no FP8 scaling-state updates)."""
         losses = [self.pipeline.evaluate(*self._global_batch(self.valid_batches)) for _ in range(self.args.eval_iters)]
+        self.progress.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
         return _mean_over(torch.stack(losses).mean(), self.ps.dp_group.group)
 
     # ---- the loop ---------------------------------------------------------------------------
