@@ -21,6 +21,9 @@ setup(
         "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
                  "tensorboard", "matplotlib"],
         "data": ["sentencepiece", "tokenizers"],
+        # What --tensorboard-dir writes with; the README's main job (examples/quickstart.sh) installs
+        # `.[data,tensorboard]`, exactly what it runs (tests/test_quickstart.py runs that line in a fresh venv).
+        "tensorboard": ["tensorboard"],
         "report": ["matplotlib", "tensorboard"],
     },
     entry_points={
