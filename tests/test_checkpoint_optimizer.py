@@ -4,8 +4,9 @@ the same or another layout; the continued losses and grad norms are the oracle.
 - fp32 master + fp32 states saved at TP=2 x DP=2: reloaded at TP=2 x DP=2 the next two steps are
   bit-identical to the uninterrupted run; at TP=4 x DP=1 and TP=1 x DP=4 they agree within 1e-5
   (fp32 reduction order only; a mis-sliced moment or master weight changes the loss at order 1e-2).
-- fp16 master + FP8 states (per-group scales) saved at DP=4 reload at DP=2 (within 1e-5), and loading
-  them at another TP size fails with one CheckpointError naming the TP-bound entry.
+- fp16 master + FP8 states (per-group scales) saved at DP=4: reloaded at DP=4 the next two steps are
+  bit-identical (the master's stochastic rounding is keyed by the checkpointed step), at DP=2 within 1e-5,
+  and loading them at another TP size fails with one CheckpointError naming the TP-bound entry.
 """
 import json
 
@@ -79,6 +80,7 @@ def _close(got, expected, tol=1e-5) -> bool:
 
 def _load_4_body(rank, world_size, root):
     assert _resume(root, 2, 4, "fp32") == _expected(root, "fp32")  # same layout: bit-identical
+    assert _resume(root, 1, 4, "fp8") == _expected(root, "fp8")  # fp16 master's stochastic rounding too
     for tp in (4, 1):
         got = _resume(root, tp, 4, "fp32")
         assert _close(got, _expected(root, "fp32")), (tp, got, _expected(root, "fp32"))

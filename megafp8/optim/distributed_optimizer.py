@@ -13,6 +13,9 @@ The step processes one chunk (``chunk_size`` elements, 128-aligned) at a time: d
 update in fp32, encode. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
 (FP8-LM), agreed over DP by a MAX all-reduce of the per-tensor amaxes so a checkpoint re-slices at any
 DP size; the scale moves only when ``amax * scale`` leaves ``[2^8, 2^13]`` (exact power-of-two rescale).
+The step's fp16 encode rounds stochastically (megafp8.optim.stochastic_rounding), keyed by (seed, step,
+parameter, the element's flat index in the parameter): a scale cannot change fp16's 2^-11 relative grid, so
+round-to-nearest would drop every update below half a grid step (a norm gain at 1.0 never moves at lr 1e-4).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim.fp8_param_cast import (accumulate_group_amax, cast_to_fp8, group_index, num_scale_groups,
                                           scale_inv_for)
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
+from megafp8.optim.stochastic_rounding import counter_uniform, rounding_key, stochastic_round_to_fp16
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tensor_bytes
@@ -71,11 +75,12 @@ class DistributedOptimizer:
     master_weight_dtype:    --master-weight-dtype fp32|fp16
     optimizer_state_dtype:  --optimizer-state-dtype fp32|bf16|fp8 (see megafp8.optim.state_codec)
     chunk_size:             elements decoded at once inside the step
+    rounding_seed:          seeds the fp16 master's stochastic rounding (the same seed resumes bit-exactly)
     """
 
     def __init__(self, ddp: DistributedDataParallel, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, clip_grad: float = 0.0, master_weight_dtype: str = "fp32",
-                 optimizer_state_dtype: str = "fp32", chunk_size: int = 1 << 16) -> None:
+                 optimizer_state_dtype: str = "fp32", chunk_size: int = 1 << 16, rounding_seed: int = 0) -> None:
         if master_weight_dtype not in MASTER_DTYPES:
             raise ValueError(f"--master-weight-dtype must be one of {', '.join(MASTER_DTYPES)}, got {master_weight_dtype!r}")
         if clip_grad < 0 or weight_decay < 0:
@@ -84,6 +89,7 @@ class DistributedOptimizer:
         self.betas, self.eps, self.weight_decay, self.clip_grad = betas, eps, weight_decay, clip_grad
         self.master_weight_dtype, self.optimizer_state_dtype = master_weight_dtype, optimizer_state_dtype
         self.chunk_size = max(GROUP, chunk_size // GROUP * GROUP)
+        self.rounding_seed = rounding_seed
         self.step_count = 0
         self.skipped_steps = 0
         ps = ddp.parallel_state
@@ -131,10 +137,24 @@ class DistributedOptimizer:
         values = self.master.decode(s, s + n)
         return values / self.master_scale[frag.index] if self.master_weight_dtype == "fp16" else values
 
-    def _encode_master(self, frag: Fragment, s: int, n: int, values: torch.Tensor) -> None:
+    def _encode_master(self, frag: Fragment, s: int, n: int, values: torch.Tensor, param_lo: int | None = None) -> None:
+        """Round to nearest, or (the step's update: ``param_lo`` = the chunk's first flat index in the
+        parameter) stochastically, so that steps below fp16's grid spacing still move the weight on average."""
         if self.master_weight_dtype == "fp16":
             values = values * self.master_scale[frag.index]
+            if param_lo is not None:
+                uniform = counter_uniform(self._rounding_key(frag), param_lo, n, values.device)
+                values = stochastic_round_to_fp16(values, uniform)
         self.master.encode(s, s + n, values)
+
+    def _rounding_key(self, frag: Fragment) -> int:
+        """Every holder of the same values draws the same bits: TP-replicated parameters (norms) are salted by
+        name only, so their TP copies stay identical; the last stage's copy of a tied embedding uses the
+        embedding's name (what checkpoints call it). TP shards of one tensor are salted apart by TP rank."""
+        name = "embedding.weight" if getattr(frag.param, "shared_embedding", False) else frag.name
+        if is_tensor_model_parallel(frag.param):
+            name = f"{name}@tp{self.tp.rank}"
+        return rounding_key(self.rounding_seed, self.step_count, name)
 
     def _agreed_param_amax(self, local: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over DP."""
@@ -229,7 +249,7 @@ class DistributedOptimizer:
         local_amax = {}
         for frag in self.fragments:
             decay = self.weight_decay if frag.param.dim() >= 2 else 0.0
-            for b, s, n, _pl in self._chunks(frag):
+            for b, s, n, pl in self._chunks(frag):
                 g = self._grad(frag, b, n)
                 if clip != 1.0:
                     g.mul_(clip)
@@ -241,7 +261,7 @@ class DistributedOptimizer:
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
                 p.addcdiv_(m, denom, value=-lr / bias_correction1)
-                self._encode_master(frag, s, n, p)
+                self._encode_master(frag, s, n, p, param_lo=pl)
                 self.exp_avg.encode(s, s + n, m)
                 self.exp_avg_sq.encode(s, s + n, v)
                 a = p.abs().amax()
