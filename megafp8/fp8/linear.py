@@ -73,6 +73,13 @@ class Fp8GemmModule(nn.Module):
             self._make_scaling_states(recipe)  # recipe came from fp8_autocast: allocate on first use
         return self.fp8_scaling[role]
 
+    def sharded_amax_sync(self) -> Callable[[torch.Tensor], None] | None:
+        """An in-place MAX of an amax over the ranks that hold the other shards of this layer's tensors (a TP
+        layer: its TP group), or None when this layer's tensors are whole. A cold delayed state quantizes with
+        current scaling, and the current scale of a weight, row-parallel input or column-parallel output
+        gradient must be the whole tensor's, as in the TP=1 run (see quantize_operand)."""
+        return None
+
     # ---- the FP8 weight, once per optimizer step ----
     def fp8_weight(self, recipe: Fp8Recipe, weight: torch.Tensor, observe: bool = True) -> Float8Tensor:
         """The weight in FP8 for this step: the injected one (set_fp8_weight), else quantized from the

@@ -126,6 +126,8 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
     gran = recipe.granularity(role)
     if scale is None:
         scale = delayed_scale(state)
+    if scale is None and state is not None:
+        scale = _cold_shard_scale(x2d, recipe, role, layer)
     if role == "input" and layer.forced_overflow_factor is not None:  # a test hook (forced_overflow.py)
         scale = overflowing_scale(x2d, scale, recipe.dtype(role), gran, recipe.power_of_2_scale,
                                   layer.forced_overflow_factor)
@@ -137,6 +139,20 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
     if layer.telemetry_enabled:
         record_fp8_stats(layer, role, x2d, fp8, q.amax)
     return fp8
+
+
+def _cold_shard_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule) -> torch.Tensor | None:
+    """A cold delayed state's current scale for a tensor sharded over TP (weights, a row-parallel input, a
+    column-parallel output gradient): from the MAX of the shards' amaxes, so the first step quantizes as
+    the TP=1 run does and the amaxes it hands to update() match TP=1's. A local amax gave each rank its own
+    scale (no desync: these tensors are never gathered, but the step differed from TP=1, and every delayed
+    scale after the first update() by up to 5%). One scalar all-reduce per tensor, in cold steps only."""
+    sync = layer.sharded_amax_sync()
+    if sync is None:
+        return None  # whole tensor (or TP=1): the quantizer takes this tensor's amax itself
+    amax = x2d.detach().abs().amax().float()
+    sync(amax)
+    return scale_from_amax(amax, fp8_format(recipe.dtype(role)).max, recipe.power_of_2_scale)
 
 
 def _agreed_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingState | None,

@@ -125,6 +125,9 @@ class ColumnParallelLinear(Fp8GemmModule):
             return self.linear(input_, weight, sp_input=self._tp_comm, high_precision=self._high_precision_impl)
         return self.linear(input_, weight, tp_input=self._tp_comm, high_precision=self._high_precision_impl)
 
+    def sharded_amax_sync(self):
+        return self._tp_comm.sync_amax if self.tp.size > 1 else None  # current scales of shards: the whole tensor's
+
     def _high_precision_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, self.tp)
@@ -199,6 +202,9 @@ class RowParallelLinear(Fp8GemmModule):
                                sp_output=self._tp_comm, high_precision=self._high_precision_sp_impl)
         partial = self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale)
         return reduce_from_tensor_model_parallel_region(partial, self.tp, reuse_input=True)  # fresh GEMM output
+
+    def sharded_amax_sync(self):
+        return self._tp_comm.sync_amax if self.tp.size > 1 else None  # current scales of shards: the whole tensor's
 
     def _high_precision_sp_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return reduce_scatter_to_sequence_parallel_region(F.linear(input_, weight, bias), self.tp)
