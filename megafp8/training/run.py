@@ -34,7 +34,7 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
     optimizer = DistributedOptimizer(ddp, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                      weight_decay=args.weight_decay, clip_grad=args.clip_grad,
                                      master_weight_dtype=args.master_weight_dtype,
-                                     optimizer_state_dtype=args.optimizer_state_dtype)
+                                     optimizer_state_dtype=args.optimizer_state_dtype, rounding_seed=args.seed)
     return pipeline, ddp, optimizer
 
 
