@@ -44,8 +44,9 @@ def expected_tp_bytes(cfg: ModelConfig, tp: int, sp: bool) -> dict[str, int]:
     # CE: all-reduce of the per-token max, then one of (target logit, sum exp) stacked
     ce = 2 * tokens * 4 * (tp - 1) // tp + 2 * (2 * tokens * 4) * (tp - 1) // tp
     if sp:
+        # Each entry (a column-parallel layer) also re-gathers its saved input shard in backward for wgrad.
         per_gather = act_bytes // tp * (tp - 1)
-        return {"tp_sp_allgather": 2 * regions * per_gather, "tp_reduce_scatter": 2 * regions * per_gather,
+        return {"tp_sp_allgather": 3 * regions * per_gather, "tp_reduce_scatter": 2 * regions * per_gather,
                 "tp_allreduce": ce}
     return {"tp_sp_allgather": 0, "tp_reduce_scatter": 0,
             "tp_allreduce": 2 * regions * (2 * act_bytes * (tp - 1) // tp) + ce}

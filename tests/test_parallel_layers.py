@@ -84,6 +84,33 @@ def _layers_body(rank: int, world_size: int) -> None:
     torch.testing.assert_close(col.weight.grad, w1_ref.grad.chunk(n, 0)[rank])
     torch.testing.assert_close(row.weight.grad, w2_ref.grad.chunk(n, 1)[rank])
 
+    # --- sequence parallel, high precision: column (bias) saves only its input shard (Megatron's choice) and
+    # re-gathers it for wgrad; row reduce-scatters. The same reference, the sequence split over ranks.
+    sp_ps = ParallelState(world_size=n, tensor_model_parallel_size=n, sequence_parallel=True).init_process_groups()
+    col = ColumnParallelLinear(6, 8, sp_ps, bias=True)
+    row = RowParallelLinear(8, 5, sp_ps, bias=True)
+    with torch.no_grad():
+        col.weight.copy_(w1.chunk(n, 0)[rank]), col.bias.copy_(b1.chunk(n, 0)[rank])
+        row.weight.copy_(w2.chunk(n, 1)[rank]), row.bias.copy_(b2)
+    x_shard = x.chunk(n, 0)[rank].clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        hidden = col(x_shard)
+    assert not any(t.shape[0] == x.shape[0] and t.shape[-1] == 6 for t in saved), "the gathered input is not kept"
+    assert any(t.data_ptr() == x_shard.data_ptr() for t in saved), "the local shard is"
+    sp_ps.comm.reset()
+    y = row(hidden)
+    y.backward(torch.ones_like(y))
+    x_ref, w1_ref, b1_ref, w2_ref = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
+    y_ref = F.linear(F.linear(x_ref, w1_ref, b1_ref), w2_ref, b2)
+    y_ref.sum().backward()
+    for t, t_ref in ((y, y_ref.detach()), (x_shard.grad, x_ref.grad)):
+        torch.testing.assert_close(t, t_ref.chunk(n, 0)[rank])
+    torch.testing.assert_close(col.weight.grad, w1_ref.grad.chunk(n, 0)[rank])
+    torch.testing.assert_close(col.bias.grad, b1_ref.grad.chunk(n, 0)[rank])
+    # backward gathers: the row layer's output-gradient shard, the column layer's re-gathered input shard (fp32)
+    assert sp_ps.comm["tp_sp_allgather"] == 4 * (y.numel() + x_shard.numel()) * (n - 1)
+
     # --- vocab-parallel embedding (no SP: all-reduce; SP: reduce-scatter along dim 0)
     table = torch.randn(padded, 4, generator=g)
     ids = torch.randint(0, vocab, (n * 2, 3), generator=g)

@@ -11,6 +11,8 @@ everything around it (entering/leaving the TP region, bias, gather_output) stays
 - ``ColumnParallelLinear._forward_impl(input_, weight)``: input ``[s/TP, b, in]`` under SP (it owns
   the sequence all-gather: in FP8 the shard is quantized once and its uint8 bytes + scales are
   all-gathered, half the bytes of BF16) or ``[s, b, in]`` without SP; returns ``[s, b, out/TP]``.
+  Under SP both precisions save only the local shard for wgrad and re-gather it in backward (Megatron's
+  choice: the gathered input is TP times larger), FP8 as the FP8 bytes of its xᵀ shard.
 - ``RowParallelLinear._forward_impl(input_parallel)``: ``[s, b, in/TP]`` to the reduced output:
   ``[s/TP, b, out]`` under SP (reduce-scatter in high precision; in FP8 the backward all-gather of the
   output gradient moves FP8 bytes) or ``[s, b, out]`` (all-reduce, high precision).
@@ -26,7 +28,6 @@ from megafp8.parallel import collectives as C
 from megafp8.parallel.fp8_sequence_parallel import TensorParallelSequenceComm
 from megafp8.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -56,6 +57,39 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) must be divisible by --tensor-model-parallel-size ({denominator})")
     return numerator // denominator
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """The high-precision GEMM of a column-parallel layer under SP, as Megatron-Core's
+    LinearWithGradAccumulationAndAsyncCommunication with ``sequence_parallel``: forward all-gathers the
+    ``[s/TP, b, in]`` shard but saves only the shard; backward re-gathers it while dgrad runs, then
+    reduce-scatters dgrad while wgrad runs. The gathered input (TP times the shard) is not kept between
+    forward and backward, at the price of a second all-gather of the shard per layer."""
+
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: C.GroupHandle):
+        ctx.tp = tp
+        ctx.save_for_backward(input_, weight)
+        return F.linear(C.all_gather(input_.contiguous(), tp, "tp_sp_allgather", dim=0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        input_, weight = ctx.saved_tensors
+        tp = ctx.tp
+        needs_dgrad, needs_wgrad, needs_bgrad = ctx.needs_input_grad[:3]
+        gather = None
+        if needs_wgrad:
+            total = torch.empty((tp.size * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+            gather = C.all_gather_into_tensor_async(total, input_.contiguous(), tp, "tp_sp_allgather")
+        dgrad = None
+        if needs_dgrad:
+            grad_input = grad_output.matmul(weight)
+            shard = torch.empty(input_.shape, dtype=grad_input.dtype, device=grad_input.device)
+            dgrad = C.reduce_scatter_tensor_async(shard, grad_input, tp, "tp_reduce_scatter")
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = dy.t().matmul(gather.wait().reshape(-1, input_.shape[-1])) if needs_wgrad else None
+        grad_bias = dy.sum(dim=0) if needs_bgrad else None
+        return dgrad.wait() if dgrad is not None else None, grad_weight, grad_bias, None
 
 
 class ColumnParallelLinear(Fp8GemmModule):
@@ -130,7 +164,8 @@ class ColumnParallelLinear(Fp8GemmModule):
 
     def _high_precision_impl(self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.sequence_parallel:
-            input_ = gather_from_sequence_parallel_region(input_, self.tp)
+            if self.tp.size > 1:
+                return _SequenceParallelLinear.apply(input_, weight, bias, self.tp)
         else:
             # The GEMM below is the region's only consumer: its dgrad is fresh, all-reduced in place.
             input_ = copy_to_tensor_model_parallel_region(input_, self.tp, reuse_grad=True)

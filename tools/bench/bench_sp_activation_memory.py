@@ -1,11 +1,12 @@
-"""Activation bytes autograd saves for backward under tensor + sequence parallelism, per recipe.
+"""Activation bytes autograd saves for backward, and SP all-gather bytes, under tensor + sequence parallelism, per recipe.
 
     python tools/bench/bench_sp_activation_memory.py --tp 2 --output /tmp/sp_memory.json
 
 Spawns ``--tp`` gloo processes on CPU (the count does not depend on the device) and counts, with
 torch.autograd.graph.saved_tensors_hooks, the bytes of every tensor saved for backward (parameters
 excluded) by (1) one ColumnParallelLinear under SP, the layer whose input is all-gathered, and (2) one
-whole transformer layer of a small GPT (attention + MLP, BF16 parameters). It uses only public APIs, so
+whole transformer layer of a small GPT (attention + MLP, BF16 parameters), and the bytes that layer's
+forward + backward sends in sequence-parallel all-gathers (``tp_sp_allgather``). It uses only public APIs, so
 it runs unchanged on older commits (check one out with ``git worktree add`` and run this file there) to
 measure before/after. The rank-0 numbers are printed and written as JSON.
 """
@@ -66,9 +67,13 @@ def _measure(rank: int, args: argparse.Namespace) -> dict:
         cfg.params_dtype = torch.bfloat16
         model = GPTModel(cfg, ps, fp8_recipe=recipe)
         layer = next(iter(model.layers.values()))
+        rotary = model.rotary(s)
+        ps.comm.reset()
         with _SavedBytes(layer) as layer_saved:
-            layer(x, model.rotary(s)).float().sum().backward()
+            layer(x, rotary).float().sum().backward()
         results[name] = {"column_parallel_linear": column_saved.nbytes, "transformer_layer": layer_saved.nbytes,
+                         "layer_sp_allgather_bytes": ps.comm["tp_sp_allgather"],
+                         "layer_sp_allgathers": ps.comm.calls("tp_sp_allgather"),
                          "local_input_bytes_1B": s // tp * b * h}
     return results
 
@@ -88,7 +93,8 @@ def main() -> None:
           f"ffn={args.ffn_hidden_size}: bytes saved for backward on one rank")
     for name, row in results.items():
         print(f"  {name:10s} column-parallel linear {row['column_parallel_linear']:>9d}   "
-              f"transformer layer {row['transformer_layer']:>10d}   (local input shard at 1 B/elem: "
+              f"transformer layer {row['transformer_layer']:>10d}   layer SP all-gathers "
+              f"{row['layer_sp_allgather_bytes']:>9d} B in {row['layer_sp_allgathers']}   (local input shard at 1 B/elem: "
               f"{row['local_input_bytes_1B']})")
     if args.output:
         with open(args.output, "w") as f:
