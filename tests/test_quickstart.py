@@ -50,21 +50,53 @@ def test_readme_main_job_runs_verbatim_in_a_fresh_venv(tmp_path):
     assert command.startswith("python3 -m venv .venv") and "bash examples/quickstart.sh" in command
     repo = fresh_copy(tmp_path / "megafp8")
     assert not (repo / ".venv").exists()
-    # 9 iterations: the first run stops (and saves) at 6, logs iteration 5; the resumed run ends at 9.
-    result = subprocess.run(["bash", "-c", command], cwd=repo, env=_fresh_shell_env(QUICKSTART_ITERS="9"),
+    # 21 iterations: the first run stops (and saves) at 14; the resumed run evaluates and saves at 20, ends at 21.
+    result = subprocess.run(["bash", "-c", command], cwd=repo, env=_fresh_shell_env(QUICKSTART_ITERS="21"),
                             capture_output=True, text=True, timeout=3000)
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
     assert (repo / ".venv" / "bin" / "python").exists()
     assert "Traceback" not in result.stderr, output
-    assert result.stdout.count("loaded checkpoint") == 1 and "latest: 9" in result.stdout, output
-    assert "megafp8: trained 9 iterations" in result.stdout and "megafp8: layout TP 2 x CP 1 x PP 2 x DP 2" in result.stdout
+    assert result.stdout.count("loaded checkpoint") == 1 and "latest: 21" in result.stdout, output
+    assert "megafp8: trained 21 iterations" in result.stdout and "megafp8: layout TP 2 x CP 1 x PP 2 x DP 2" in result.stdout
     work = repo / "runs" / "quickstart"
     records = [json.loads(line) for line in (work / "logs" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "lm_loss" in r]
-    assert [r["iteration"] for r in train] == [5] and 0 < train[0]["lm_loss"] < 9.0  # ln(4000) = 8.3 at the start
-    assert train[0]["comm_bytes"]["dp_param_allgather"] > 0 and train[0]["comm_bytes"]["pp_p2p"] > 0
+    assert [r["iteration"] for r in train] == [5, 10, 15, 20]  # stopped at 14, resumed to 21
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"] - 0.5
+    assert train[-1]["comm_bytes"]["dp_param_allgather"] > 0 and train[-1]["comm_bytes"]["pp_p2p"] > 0
     assert any((work / "tensorboard").iterdir())
+    # The checkpoint exported to HF reproduces the validation loss the run logged at iteration 20 (transformers,
+    # fp32, on the same validation samples; the run itself evaluated in FP8).
+    (logged,) = [r["val_lm_loss"] for r in records if "val_lm_loss" in r]
+    assert _hf_validation_loss(repo, work / "checkpoints", 20, tmp_path / "hf") == pytest.approx(logged, rel=1e-4)
+
+
+def _hf_validation_loss(run_dir: Path, checkpoints: Path, iteration: int, hf_dir: Path) -> float:
+    """transformers' mean token loss, on the run's first --eval-iters validation batches (rebuilt from the flags
+    the checkpoint recorded; its relative --data-path from ``run_dir``), of the HF export of ``iteration``."""
+    import argparse
+
+    import torch
+    import torch.nn.functional as F
+    transformers = pytest.importorskip("transformers")
+    from convert_testing import convert
+    from megafp8.parallel.parallel_state import ParallelState
+    from megafp8.training.data_setup import batches, build_datasets
+
+    converted = convert("--load-format", "megafp8", "--save-format", "hf", "--save-dtype", "fp32", "--load-dir",
+                        checkpoints, "--load-iteration", iteration, "--save-dir", hf_dir)
+    assert converted.returncode == 0, converted.stderr
+    manifest = json.loads((checkpoints / f"iter_{iteration:07d}" / "megafp8_checkpoint.json").read_text())
+    args = argparse.Namespace(**manifest["args"])
+    args.data_path = [str(run_dir / prefix) for prefix in args.data_path]  # the quickstart's is one relative prefix
+    _, valid = build_datasets(args)
+    stream = batches(valid, 0, args, ParallelState().init_process_groups())  # one DP rank: the whole batches
+    tokens = torch.cat([next(stream) for _ in range(args.eval_iters * args.global_batch_size // args.micro_batch_size)])
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), tokens[:, 1:].reshape(-1)).item()
 
 
 @pytest.mark.slow
