@@ -61,10 +61,11 @@ def test_all_problems_are_reported_at_once():
 def test_layout_and_model_problems_come_with_the_flag_problems():
     """One process at TP 3 with 4 heads: the world size AND the head divisibility, and the flag errors too."""
     with pytest.raises(ArgumentError) as info:
-        parse_args(BASE + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "4", "--lr=-1"], world_size=1)
+        parse_args(BASE + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "4", "--lr=-1",
+                           "--train-iters", "0"], world_size=1)
     message = str(info.value)
     for problem in ("does not divide the world size (1)", "--num-attention-heads (4) must be divisible by "
-                    "--tensor-model-parallel-size (3)", "--lr must not be negative"):
+                    "--tensor-model-parallel-size (3)", "--lr must not be negative", "--train-iters must be positive"):
         assert problem in message
 
 

@@ -295,7 +295,12 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
             continue  # derived from --train-iters, whose own message covers it
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             errors.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    sizes_ok = not errors
+    # The layout's rules assume positive sizes (they would only repeat those messages); the run's length,
+    # intervals and the like do not enter them, so a bad --train-iters still gets the layout checked.
+    layout_sizes = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                    "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "num_query_groups", "ffn_hidden_size", "num_layers_per_virtual_pipeline_stage")
+    sizes_ok = all(getattr(args, name) is None or getattr(args, name) > 0 for name in layout_sizes)
     for name in ("save_interval", "keep_last", "exit_interval", "eval_iters", "lr_warmup_iters",
                  "ddp_bucket_size", "recompute_num_layers", "lr_warmup_samples", "lr_decay_iters", "lr_decay_samples",
                  "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "fp8_margin", "first_last_layers_bf16"):
@@ -304,7 +309,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
-    if sizes_ok:  # the layout's rules assume positive sizes (they would only repeat the messages above)
+    if sizes_ok:
         from megafp8.parallel.parallel_state import layout_errors
 
         errors += layout_errors(
