@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from distributed_testing import run_distributed
 from optim_testing import build, local_micro_batches, make_ddp, tiny_config, train_step
 from megafp8.fp8 import Float8Tensor, Fp8Linear, Fp8Recipe, Fp8ScalingManager, invalidate_fp8_weight_caches
 from megafp8.optim import DistributedOptimizer
@@ -148,3 +149,33 @@ def test_fp8_param_gather_skipped_step_equals_the_resumed_model():
     ids, labels = local_micro_batches(cfg, 2, 1, 0)[0]
     with torch.no_grad():
         assert torch.equal(model(ids, labels), reference(ids, labels))
+
+
+def _param_gather_cold_tp_body(rank: int, world_size: int) -> None:
+    cfg = tiny_config(num_layers=1, hidden_size=128, ffn_hidden_size=128, num_attention_heads=4)
+    recipe = Fp8Recipe.delayed(amax_history_len=4)
+    ps = ParallelState(world_size=world_size, tensor_model_parallel_size=world_size,
+                       sequence_parallel=True).init_process_groups()
+    own = build(cfg, ps, fp8_recipe=recipe)
+    model = build(cfg, ps, fp8_recipe=recipe)  # the same weights: initialization is seeded per parameter
+    ddp = make_ddp(model, ps, use_distributed_optimizer=True, fp8_param_gather=True)
+    DistributedOptimizer(ddp)  # publishes every FP8 weight, cast from the master while its state is cold
+    ddp.finish_param_sync()
+    injected = [(name, m) for name, m in model.named_modules() if getattr(m, "_injected_weight", None) is not None]
+    assert injected
+    own_modules = dict(own.named_modules())
+    with torch.no_grad():
+        for name, layer in injected:
+            mine = own_modules[name]
+            assert mine.fp8_scaling["weight"].is_cold
+            expected = mine.fp8_weight(recipe, mine.weight)  # the layer's own cold quantization (whole-tensor scale)
+            got = layer.fp8_weight(recipe, layer.weight)
+            assert torch.equal(got.scale_inv, expected.scale_inv), name
+            assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8)), name
+
+
+@pytest.mark.distributed
+def test_fp8_param_gather_cold_weights_under_tp_take_the_whole_tensor_scale():
+    """TP=2: a cold delayed weight published by the optimizer (--fp8-param-gather) is cast with the whole
+    weight's current scale, as the layer casts it itself (docs/fp8.md, cold start): the same bytes and scale."""
+    run_distributed(_param_gather_cold_tp_body, world_size=2)

@@ -228,7 +228,8 @@ class WeightQuantization:
     """What an optimizer needs to produce a layer's FP8 weight (Fp8GemmModule.fp8_weight_quantization).
 
     scale: the delayed scale to quantize with (all ranks hold the same), or None for current scaling
-           (amax of the WHOLE weight shard of this TP rank for tensorwise, per row / 128x128 tile otherwise).
+           (amax of the WHOLE weight shard of this TP rank for tensorwise, per row / 128x128 tile otherwise;
+           a cold delayed state also MAX-reduces it with the layer's sharded_amax_sync(), as the layer does).
     state: the delayed-scaling state; call observe(amax of the whole weight) once per step so the
            weight's history keeps moving while the optimizer, not the layer, quantizes it.
     """

@@ -327,6 +327,9 @@ class DistributedOptimizer:
             C.all_reduce(amax, self.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
             for p in current:
                 q = quant[p]
+                tp_sync = infos[p].module.sharded_amax_sync() if q.state is not None else None
+                if tp_sync is not None:  # a cold delayed weight: the whole tensor's scale, as the layer's own cast
+                    tp_sync(views[p])
                 scales[p] = scale_from_amax(views[p], fp8_format(q.fp8_dtype).max, q.power_of_2_scale)
         for p, info in infos.items():
             info.scale_inv = scale_inv_for(scales[p], tuple(p.shape), quant[p].granularity)
