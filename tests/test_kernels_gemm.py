@@ -177,10 +177,11 @@ def test_offered_hopper_configs_fit_the_register_budget():
     def acc_regs(cfg):
         return 2 * cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] // (32 * cfg.num_warps)
 
-    assert gemm.SM90_DEFAULT_CONFIG is gemm._SM90_CONFIGS[0]
-    assert all(acc_regs(cfg) <= 128 for cfg in gemm._SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
-    assert all(acc_regs(cfg) > 192 for cfg in gemm.SM90_REJECTED_CONFIGS)
-    assert all(cfg.kwargs["BLOCK_K"] == 128 for cfg in gemm._SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
+    assert gemm.SM90_DEFAULT_CONFIG is gemm.SM90_CONFIGS[0]
+    assert all(acc_regs(cfg) <= 128 for cfg in gemm.SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
+    # The first rejected config fits this budget but spills at unaligned sizes (tools/bench/kernel_audit.py).
+    assert all(acc_regs(cfg) > 192 for cfg in gemm.SM90_REJECTED_CONFIGS[1:])
+    assert all(cfg.kwargs["BLOCK_K"] == 128 for cfg in gemm.SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
 
 
 # ---- errors a caller can make ----

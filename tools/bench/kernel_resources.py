@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # span the register patterns (epilogue scaling, per-step 128x128 and per-step 1x128 scale loads).
     SURVEY_MODES = (GemmScaleMode.TENSORWISE, GemmScaleMode.BLOCKWISE, GemmScaleMode.BLOCKWISE_1X128)
     hopper = torch.cuda.get_device_capability()[0] == 9
-    offered = G._SM90_CONFIGS if hopper else G._FALLBACK_CONFIGS
+    offered = G.SM90_CONFIGS if hopper else G._FALLBACK_CONFIGS
     rejected = G.SM90_REJECTED_CONFIGS if hopper else []
     default = G.SM90_DEFAULT_CONFIG if hopper else G.FALLBACK_DEFAULT_CONFIG
     M = N = K = 512  # registers do not depend on the problem size; correctness is checked on it too
