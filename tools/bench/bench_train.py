@@ -60,9 +60,10 @@ def model_flags(quick: bool, iters: int) -> list[str]:
     if quick:
         shape = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
                  "--micro-batch-size", "2"]
-    else:  # Llama-3.2-1B's transformer (1.04B parameters with this 32k tied vocabulary)
+    else:  # Llama-3.2-1B's transformer (1.04B parameters with this 32k tied vocabulary), 8 x 2048 = 16k
+        # tokens per step: enough GEMM work that the step measures the model, not the optimizer
         shape = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads",
-                 "32", "--num-query-groups", "8", "--seq-length", "2048", "--micro-batch-size", "2"]
+                 "32", "--num-query-groups", "8", "--seq-length", "2048", "--micro-batch-size", "8"]
     return [*shape, "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
             "--log-interval", "1", "--split", "100,0,0", "--seed", "1234"]
 
@@ -112,15 +113,22 @@ def summarize(name: str, flags: list[str], records: list[dict], memory: dict, wa
 
 
 def markdown(rows: list[dict]) -> str:
-    memory_label = ("peak memory (GiB, cuda max allocated)" if rows[0]["peak_memory_kind"] == "cuda_max_allocated"
+    measured = [r for r in rows if "error" not in r]
+    if not measured:
+        return "| run | result |\n|---|---|\n" + "\n".join(f"| {r['name']} | failed: {r['error']} |" for r in rows)
+    memory_label = ("peak memory (GiB, cuda max allocated)" if measured[0]["peak_memory_kind"] == "cuda_max_allocated"
                     else "peak RSS (MiB, ru_maxrss, whole process)")
-    scale = 2**30 if rows[0]["peak_memory_kind"] == "cuda_max_allocated" else 2**20
-    base = rows[0]["tokens_per_s"]
+    scale = 2**30 if measured[0]["peak_memory_kind"] == "cuda_max_allocated" else 2**20
+    base = rows[0]["tokens_per_s"] if "error" not in rows[0] else None
     lines = [f"| run | tokens/s | vs high precision | TFLOP/s | MFU vs BF16 / FP8 peak | {memory_label} | "
              "model-state bytes/param | loss at last iteration |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
         mfu = f"{100 * r['mfu_bf16']:.1f}% / {100 * r['mfu_fp8']:.1f}%" if r["mfu_bf16"] is not None else "n/a (no GPU peak)"
-        lines.append(f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['tflops']:.4f} | "
+        lines.append(f"| {r['name']} | {r['tokens_per_s']:.1f} | {ratio} | {r['tflops']:.4f} | "
                      f"{mfu} | {r['peak_memory_bytes'] / scale:.1f} | {r['model_state_bytes_per_param']:.3f} | "
                      f"{'non-finite' if r['final_lm_loss'] is None else format(r['final_lm_loss'], '.4f')} |")
     return "\n".join(lines)
@@ -131,13 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CPU-sized model (about a minute)")
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default: 8 quick, 10 GPU)")
     parser.add_argument("--warmup", type=int, default=None, help="leading iterations not timed (default: 3)")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these configurations (by name prefix)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only these configurations, by exact name (see --list)")
+    parser.add_argument("--list", action="store_true", help="print the configuration names and exit")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     import torch
 
     cuda = torch.cuda.is_available()
+    names = [name for name, _ in configurations(["--bf16"] if cuda else [])]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    unknown = [o for o in args.only or [] if o not in names]
+    if unknown:
+        parser.error(f"--only {', '.join(map(repr, unknown))}: not a configuration; choose from {', '.join(map(repr, names))}")
     if not args.quick and not cuda:
         parser.error("the default (~1B) configuration needs a CUDA GPU; use --quick on CPU")
     iters = args.iters or (8 if args.quick else 10)
@@ -153,21 +170,26 @@ def main(argv: list[str] | None = None) -> int:
         seq, batch = int(base[base.index("--seq-length") + 1]), int(base[base.index("--micro-batch-size") + 1])
         write_synthetic_tokens(prefix, vocab, num_tokens=64 * (seq + 1) * (4 + iters * batch // 64))
         data = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
-        rows = []
+        rows, failed = [], 0
         for i, (name, extra) in enumerate(configurations(["--bf16"] if cuda else [])):
-            if args.only and not any(name.startswith(o) for o in args.only):
+            if args.only and name not in args.only:
                 continue
             flags = [*base, *data, *extra]
-            records, memory = run_one(flags, Path(scratch) / f"logs{i}", args.timeout)
-            rows.append(summarize(name, flags, records, memory, warmup, vocab + 1, peak))
-            print(f"# {name}: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+            try:  # one failed or timed-out run is a row of its own; the others still run
+                records, memory = run_one(flags, Path(scratch) / f"logs{i}", args.timeout)
+                rows.append(summarize(name, flags, records, memory, warmup, vocab + 1, peak))
+                print(f"# {name}: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                failed += 1
+                rows.append({"name": name, "flags": flags, "error": str(err).splitlines()[0][:200]})
+                print(f"# {name}: FAILED {rows[-1]['error']}\n{str(err)[-2000:]}", file=sys.stderr, flush=True)
             if args.json:  # after every run: a run cut short by a timeout still leaves the finished rows
                 Path(args.json).write_text(json.dumps({"device": device, "iters": iters, "warmup": warmup,
                                                        "rows": rows}, indent=1))
     print(f"bench_train: {device}, {iters} iterations per run, first {warmup} untimed, "
           f"model flags: {' '.join(base)}\n")
     print(markdown(rows))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,30 +1,59 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a lent Hopper machine (torch + triton preinstalled, no network, no pip install).
 usage() {
-  cat <<'EOF'
-usage: bash tools/bench/gpu_check.sh [--help]
+  cat <<'USAGE'
+usage: bash tools/bench/gpu_check.sh [--help] [--dry-run] [--steps LIST]
 
-Runs, in one go, on a machine with a CUDA GPU (budget: under 6 minutes on one H200; the four steps'
-timeouts, 120 + 45 + 110 + 75 s, add up to 350 s):
-  1. the kernel and FP8 linear tests compiled on CUDA, `gpu`-marked ones included
-     (MEGAFP8_GEMM_AUTOTUNE=0: one fixed config per specialization; pytest-xdist -n 12 if installed);
-  2. tools/bench/kernel_resources.py: n_regs / n_spills / shared memory of every GEMM launch config
-     and the quantize kernels, each GEMM checked against the reference twin;
-  3. tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16) and quantize GB/s;
-  4. tools/bench/bench_train.py: end-to-end training of a ~1B Llama, bf16 vs FP8 tensorwise/delayed (and the
-     compressed ZeRO preset), 5 iterations each (2 untimed): tokens/s, TFLOP/s, MFU, peak memory.
-Results go to $OUT (or ./gpu_check_out): env.txt, pytest.txt, resources.md/.json, bench_gemm.md/.json,
-bench_train.md/.json.
-Exits 0 when every step passed; 1 when a step failed or no CUDA GPU is visible (then nothing runs).
-EOF
+Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budgets below add up to
+360 s). Every step runs in isolation under its own timeout; one failing does not stop the others:
+  precompile  (60 s)  tools/bench/kernel_audit.py in 8 parallel shards: every GEMM config and quantize
+                      kernel compiled for sm_90a into this run's Triton cache, with registers, spills
+                      (n_spills), wgmma.wait_group and TMA per kernel, before anything is timed;
+  tests       (90 s)  the kernel and FP8 linear tests on CUDA (MEGAFP8_GEMM_AUTOTUNE=0; xdist -n 12 if present);
+  gemm        (60 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
+  train      (150 s)  tools/bench/bench_train.py: a ~1B Llama, 16k tokens per step, bf16 vs every FP8 recipe
+                      (exact --only names), 4 iterations each, 2 untimed.
+--steps LIST   comma-separated subset of: precompile,tests,gemm,train (default: all, in that order)
+--dry-run      print each step's command and budget, run nothing (works without a GPU)
+Results go to $OUT (or ./gpu_check_out): env.txt, one file per step, steps.tsv and the one table
+summary.md (each step's result and time, then the benchmark tables).
+Exits 0 when every step passed; 1 when a step failed or no CUDA GPU is visible (then nothing runs);
+2 on a bad argument.
+USAGE
 }
-case "${1:-}" in
-  -h|--help) usage; exit 0 ;;
-  "") ;;
-  *) echo "gpu_check: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
-esac
+ALL_STEPS="precompile,tests,gemm,train"
+steps="$ALL_STEPS" dry_run=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --dry-run) dry_run=1 ;;
+    --steps)
+      [ $# -ge 2 ] || { echo "gpu_check: --steps needs a value (e.g. --steps gemm,train)" >&2; exit 2; }
+      steps="$2"; shift ;;
+    *) echo "gpu_check: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+for s in ${steps//,/ }; do
+  case ",$ALL_STEPS," in *",$s,"*) ;; *) echo "gpu_check: --steps: unknown step '$s' (choose from $ALL_STEPS)" >&2; exit 2 ;; esac
+done
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+
+# Each step: name, budget in seconds, output file, command (run by bash -c under `timeout`).
+step_budget() { case "$1" in precompile) echo 60 ;; tests) echo 90 ;; gemm) echo 60 ;; train) echo 150 ;; esac; }
+step_command() {
+  case "$1" in
+    precompile) echo 'for i in 0 1 2 3 4 5 6 7; do python3 tools/bench/kernel_audit.py --shard $i/8 --json "$OUT_DIR/audit$i.json" > "$OUT_DIR/audit$i.md" 2>&1 & done; rc=0; for j in $(jobs -p); do wait $j || rc=1; done; cat "$OUT_DIR"/audit?.md; exit $rc' ;;
+    tests) echo 'xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); MEGAFP8_GEMM_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/test_kernels_quantize.py tests/test_kernels_gemm.py tests/test_fp8_linear.py' ;;
+    gemm) echo 'python3 tools/bench/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"' ;;
+    train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 28 --only "high precision (bf16)" "fp8 delayed" "fp8 tensorwise" "fp8 rowwise" "fp8 blockwise" --json "$OUT_DIR/bench_train.json"' ;;
+  esac
+}
+if [ "$dry_run" = 1 ]; then
+  for s in ${steps//,/ }; do echo "$s ($(step_budget "$s") s): $(step_command "$s")"; done
+  exit 0
+fi
 
 # Stop before doing anything on a machine without a usable GPU.
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -38,10 +67,12 @@ fi
 
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
+export OUT_DIR="$(cd "$out" && pwd)"
 # The package is not installed there: expose kernels/ under its import name without pip.
 shim="$(mktemp -d)"
 ln -s "$PWD/kernels" "$shim/megafp8_kernels"
-export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+export TRITON_CACHE_DIR="$OUT_DIR/triton_cache"  # the precompile step fills it; later steps reuse it
 unset TRITON_INTERPRET
 {
   date -u +"date: %Y-%m-%dT%H:%MZ"
@@ -49,27 +80,16 @@ unset TRITON_INTERPRET
   python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.version.cuda)"
 } 2>&1 | tee "$out/env.txt"
 
-# 1. Tests. They compile a few hundred GEMM specializations (dtype pairs x modes x epilogues): spread
-#    the compiles over the CPU cores with xdist when it is there.
-xdist=()
-python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)  # 12 of the 16 cores: one GEMM test case per worker
-MEGAFP8_GEMM_AUTOTUNE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
-  tests/test_kernels_quantize.py tests/test_kernels_gemm.py tests/test_fp8_linear.py 2>&1 | tee "$out/pytest.txt"
-tests_rc=$?
-
-# 2. Registers and spills of the compiled kernels.
-timeout 45 python3 tools/bench/kernel_resources.py --json "$out/resources.json" 2>&1 | tee "$out/resources.md"
-resources_rc=$?
-
-# 3. Throughput (autotuned GEMMs).
-timeout 110 python3 tools/bench/bench_gemm.py --json "$out/bench_gemm.json" 2>&1 | tee "$out/bench_gemm.md"
-bench_rc=$?
-
-# 4. End-to-end training through megafp8.pretrain (the full six-run table: python tools/bench/bench_train.py).
-timeout 75 python3 tools/bench/bench_train.py --iters 5 --warmup 2 \
-  --only "high precision" "fp8 tensorwise" "fp8 delayed" --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.md"
-train_rc=$?
-
-echo "gpu_check: tests rc=$tests_rc, resources rc=$resources_rc, bench rc=$bench_rc, train rc=$train_rc" \
-  "(124 = step timed out)"
-exit $(( tests_rc || resources_rc || bench_rc || train_rc ))
+: > "$out/steps.tsv"
+failed=0
+for s in ${steps//,/ }; do
+  budget="$(step_budget "$s")" start=$SECONDS
+  echo "== $s (budget ${budget} s)"
+  timeout --kill-after=5 "$budget" bash -c "$(step_command "$s")" > "$out/$s.md" 2>&1
+  rc=$?
+  tail -n 30 "$out/$s.md"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$s" "$rc" "$((SECONDS - start))" "$budget" "$s.md" >> "$out/steps.tsv"
+  [ "$rc" = 0 ] || failed=1
+done
+python3 tools/bench/gpu_check_table.py "$out"
+exit $failed
