@@ -179,8 +179,8 @@ def test_offered_hopper_configs_fit_the_register_budget():
 
     assert gemm.SM90_DEFAULT_CONFIG is gemm.SM90_CONFIGS[0]
     assert all(acc_regs(cfg) <= 128 for cfg in gemm.SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
-    # The first rejected config fits this budget but spills at unaligned sizes (tools/bench/kernel_audit.py).
-    assert all(acc_regs(cfg) > 192 for cfg in gemm.SM90_REJECTED_CONFIGS[1:])
+    # The first two rejected configs fit this budget but spill at unaligned sizes (tools/bench/kernel_audit.py).
+    assert all(acc_regs(cfg) > 192 for cfg in gemm.SM90_REJECTED_CONFIGS[2:])
     assert all(cfg.kwargs["BLOCK_K"] == 128 for cfg in gemm.SM90_CONFIGS + gemm._FALLBACK_CONFIGS)
 
 
