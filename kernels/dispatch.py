@@ -115,28 +115,35 @@ def quantize(
 
 # ---- GEMM --------------------------------------------------------------------------------------------
 
-def _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, backend) -> torch.Tensor:
+def _check_fast_accum(mode: GemmScaleMode, fast_accum: bool) -> None:
+    if fast_accum and mode not in (GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE):
+        raise ValueError(f"fast_accum=True is for tensorwise/rowwise GEMMs (fprop); {mode.value} promotes every 128 of K")
+
+
+def _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, backend, fast_accum=False) -> torch.Tensor:
     mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
+    _check_fast_accum(mode, fast_accum)
     choice = resolve_gemm_backend(mode, a, b, out_dtype, bias, accumulate, backend or None)
     if choice == "scaled_mm":
-        return fp8_gemm_scaled_mm(a, b, scale_a, scale_b, mode, out_dtype, out)
+        return fp8_gemm_scaled_mm(a, b, scale_a, scale_b, mode, out_dtype, out, fast_accum=fast_accum)
     kwargs = dict(out_dtype=out_dtype, bias=bias, out=out, accumulate=accumulate)
     if choice == "triton":
         from .gemm import fp8_gemm_triton
 
-        return fp8_gemm_triton(a, b, scale_a, scale_b, **kwargs)
-    return fp8_gemm_reference(a, b, scale_a, scale_b, **kwargs)
+        return fp8_gemm_triton(a, b, scale_a, scale_b, **kwargs, fast_accum=fast_accum)
+    return fp8_gemm_reference(a, b, scale_a, scale_b, **kwargs)  # exact fp32: fast_accum changes nothing here
 
 
 @torch.library.custom_op("megafp8::fp8_gemm", mutates_args=())
 def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                 out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    return _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, None, False, backend)
+                 out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str, fast_accum: bool = False
+                 ) -> torch.Tensor:
+    return _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, None, False, backend, fast_accum)
 
 
 @_fp8_gemm_op.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, bias, backend):
-    check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, None, False)
+def _(a, b, scale_a, scale_b, out_dtype, bias, backend, fast_accum=False):
+    _check_fast_accum(check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, None, False), fast_accum)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -162,14 +169,19 @@ def fp8_gemm(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     backend: str | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """C = (A * scale_a) @ (B * scale_b).T [+ bias] [+ C] with fp32 accumulation (see gemm_reference)."""
+    """C = (A * scale_a) @ (B * scale_b).T [+ bias] [+ C] with fp32 accumulation (see gemm_reference).
+    `fast_accum=True` (tensorwise/rowwise, no `out`; meant for fprop as TransformerEngine does) lets the
+    tensor core accumulate over all of K on CUDA (Triton: one wgmma group in flight); the CPU twin is exact."""
     if backend is not None and backend not in GEMM_BACKENDS:
         raise ValueError(f"backend={backend!r} is not a GEMM backend: choose one of {', '.join(GEMM_BACKENDS)}")
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs `out`, the buffer to accumulate into")
-        return torch.ops.megafp8.fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, backend or "")
+        return torch.ops.megafp8.fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, backend or "", fast_accum)
+    if fast_accum:
+        raise ValueError("fast_accum=True is for fprop GEMMs returning a new tensor; `out`/accumulate keep fp32 promotion")
     if out.dtype != out_dtype:
         raise ValueError(f"out must be a {out_dtype} tensor, got {out.dtype}")
     torch.ops.megafp8.fp8_gemm_into(a, b, scale_a, scale_b, bias, out, accumulate, backend or "")

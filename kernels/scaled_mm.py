@@ -55,14 +55,16 @@ def scaled_mm_supports(mode: GemmScaleMode, a: torch.Tensor, b: torch.Tensor, ou
 
 
 def fp8_gemm_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                       mode: GemmScaleMode, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """C = (A * scale_a) @ (B * scale_b).T through torch._scaled_mm (call scaled_mm_supports first)."""
+                       mode: GemmScaleMode, out_dtype: torch.dtype, out: torch.Tensor | None = None,
+                       fast_accum: bool = False) -> torch.Tensor:
+    """C = (A * scale_a) @ (B * scale_b).T through torch._scaled_mm (call scaled_mm_supports first).
+    `fast_accum` (fprop only) lets cuBLAS skip the fp32 promotion of partial sums."""
     if mode is GemmScaleMode.TENSORWISE:
         sa, sb = scale_a.reshape(()), scale_b.reshape(())
     else:
         sa, sb = scale_a.reshape(-1, 1).contiguous(), scale_b.reshape(1, -1).contiguous()
     # b is (N, K) row-major, so b.t() is the column-major (K, N) operand _scaled_mm wants: no copy.
-    kwargs = dict(out_dtype=out_dtype, use_fast_accum=False)
+    kwargs = dict(out_dtype=out_dtype, use_fast_accum=fast_accum)
     if out is not None:
         return torch._scaled_mm(a.contiguous(), b.contiguous().t(), sa, sb, out=out, **kwargs)
     return torch._scaled_mm(a.contiguous(), b.contiguous().t(), sa, sb, **kwargs)

@@ -219,3 +219,25 @@ def test_compiled_kernel_and_dispatch_on_gpu_large_shapes():
         for backend in ("triton", None):
             got = fp8_gemm(*_to("cuda", a, b, sa, sb), out_dtype=torch.bfloat16, backend=backend)
             assert sqnr_db(got.float().cpu(), expected) >= 40.0, (mode, backend)
+
+
+@pytest.mark.parametrize("mode", [GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE], ids=lambda m: m.value)
+def test_fast_accum_fprop_matches_reference(mode):
+    """fast_accum=True (one accumulator over all of K, the path with a wgmma group in flight) against the fp32
+    twin on an odd shape spanning several K steps and, in the interpreter, several persistent tiles per program."""
+    a, b, sa, sb = _operands(129, 97, 700, E4M3, E4M3, mode, seed=7)
+    bias = torch.randn(97, generator=torch.Generator().manual_seed(7))
+    expected = fp8_gemm_reference(a, b, sa, sb, out_dtype=torch.float32, bias=bias)
+    got = fp8_gemm(*_to(DEVICE, a, b, sa, sb), bias=_to(DEVICE, bias)[0], backend="triton", fast_accum=True)
+    # The interpreter accumulates in fp32 exactly; Hopper's ~14-bit tensor-core accumulator is what the
+    # 40 dB floor leaves room for on a GPU.
+    assert sqnr_db(got.cpu(), expected) >= (40.0 if DEVICE == "cuda" else 50.0)
+
+
+def test_fast_accum_refused_where_precision_is_needed():
+    a, b, sa, sb = _operands(64, 64, 256, E4M3, E4M3, GemmScaleMode.BLOCKWISE, seed=3)
+    with pytest.raises(ValueError, match="fast_accum=True is for tensorwise/rowwise"):
+        fp8_gemm(a, b, sa, sb, fast_accum=True)
+    a, b, sa, sb = _operands(64, 64, 256, E4M3, E4M3, GemmScaleMode.TENSORWISE, seed=3)
+    with pytest.raises(ValueError, match="`out`/accumulate keep fp32 promotion"):
+        fp8_gemm(a, b, sa, sb, out=torch.zeros(64, 64), accumulate=True, fast_accum=True)
