@@ -84,7 +84,7 @@ def _full_master(opt, name: str) -> torch.Tensor:
 
 def _checkpointer(root, ps, model, opt, guard) -> Checkpointer:
     args = argparse.Namespace(save=root, load=root, keep_last=None, finetune=False, no_load_optim=False,
-                              no_load_rng=False)
+                              no_load_rng=False, allow_changed_args=None)
     return Checkpointer(args, ps, SimpleNamespace(chunks=[model]), opt, guard)
 
 
