@@ -9,8 +9,12 @@ rank owns, addressed in the parameter's own flat index (``param_lo``/``param_hi`
 store) and in this rank's flat optimizer storage (``storage_lo``). Without the distributed optimizer
 every rank owns every bucket whole (plain DDP with the same update code).
 
-The step processes one chunk (``chunk_size`` elements, 128-aligned) at a time: decode master, m and v,
-update in fp32, encode. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
+The step takes each bucket's shard whole, in a fixed number of tensor ops whatever the model size (no
+loop over parameters or chunks): decode master, m and v, update in fp32, encode, with the per-parameter
+constants (weight decay, fp16 scale, rounding key, grad-norm weight) broadcast from per-128-group tables
+built once (a parameter's fragment starts on a group boundary, so each group belongs to one parameter).
+The global grad norm and the non-finite check stay on the device: a non-finite step keeps every stored
+state (``torch.where`` on the finite flag) instead of returning early, so no step asks the host. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
 (FP8-LM), agreed over DP by a MAX all-reduce of the per-tensor amaxes so a checkpoint re-slices at any
 DP size; the scale moves only when ``amax * scale`` leaves ``[2^8, 2^13]`` (exact power-of-two rescale).
 The step's fp16 encode rounds stochastically (megafp8.optim.stochastic_rounding), keyed by (seed, step,
@@ -19,7 +23,7 @@ round-to-nearest would drop every update below half a grid step (a norm gain at 
 """
 from __future__ import annotations
 
-import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +34,7 @@ from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim.fp8_param_cast import (accumulate_group_amax, cast_to_fp8, group_index, num_scale_groups,
                                           scale_inv_for)
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
-from megafp8.optim.stochastic_rounding import counter_uniform, rounding_key, stochastic_round_to_fp16
+from megafp8.optim.stochastic_rounding import counter_uniform_at, rounding_keys, stochastic_round_to_fp16
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tensor_bytes
@@ -61,8 +65,19 @@ class Fragment:
 
 @dataclass
 class StepResult:
-    skipped: bool
-    grad_norm: float
+    """What a step did, as device tensors (reading ``skipped`` or ``grad_norm`` is a host sync: the training
+    loop reads them on log iterations only)."""
+
+    skipped_flag: torch.Tensor      # bool, 0-dim: the grads were not finite, nothing was updated
+    grad_norm_tensor: torch.Tensor  # fp64, 0-dim: the global grad norm before clipping
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.skipped_flag)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.grad_norm_tensor)
 
 
 class DistributedOptimizer:
@@ -74,7 +89,7 @@ class DistributedOptimizer:
     clip_grad:              --clip-grad; global L2 norm over TP x PP x DP (0 = off)
     master_weight_dtype:    --master-weight-dtype fp32|fp16
     optimizer_state_dtype:  --optimizer-state-dtype fp32|bf16|fp8 (see megafp8.optim.state_codec)
-    chunk_size:             elements decoded at once inside the step
+    chunk_size:             elements decoded at once when publishing FP8 weights (the step takes whole buckets)
     rounding_seed:          seeds the fp16 master's stochastic rounding (the same seed resumes bit-exactly)
     """
 
@@ -90,8 +105,6 @@ class DistributedOptimizer:
         self.master_weight_dtype, self.optimizer_state_dtype = master_weight_dtype, optimizer_state_dtype
         self.chunk_size = max(GROUP, chunk_size // GROUP * GROUP)
         self.rounding_seed = rounding_seed
-        self.step_count = 0
-        self.skipped_steps = 0
         ps = ddp.parallel_state
         self.dp, self.tp = ddp.dp, ddp.tp
         self.world = _world_handle(ps)
@@ -99,6 +112,10 @@ class DistributedOptimizer:
         numel = sum(b.shard_range(self.dp.rank, self.dp.size, ddp.distributed)[1]
                     - b.shard_range(self.dp.rank, self.dp.size, ddp.distributed)[0] for b in ddp.buckets)
         device = ddp.grad_buffers[0].device
+        # Counters on the device: whether a step counts is known there only (the finite flag).
+        self._step = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._make_group_tables(numel, device)
         self.master: StateCodec = PlainCodec(numel, device, torch.float16 if master_weight_dtype == "fp16" else torch.float32)
         self.master_scale = torch.ones(len(self.fragments), device=device)  # fp16 codes = value * scale
         self.exp_avg = make_state_codec(optimizer_state_dtype, numel, device)
@@ -126,6 +143,53 @@ class DistributedOptimizer:
             storage += hi - lo
         return fragments
 
+    def _make_group_tables(self, numel: int, device) -> None:
+        """Per 128-element group of the storage: its fragment (``len(fragments)`` for padding), the offset from
+        storage index to the parameter's flat index, whether weight decay applies and whether the grad norm
+        counts it; per fragment: its parameter's position (for the DP amax agreement) and its rounding salt."""
+        groups, nfrag = numel // GROUP, len(self.fragments)
+        frag_of_group = torch.full((groups,), nfrag, dtype=torch.int64)
+        index_offset = torch.zeros(groups, dtype=torch.int64)
+        decay, counted = torch.zeros(groups, dtype=torch.bool), torch.zeros(groups, dtype=torch.bool)
+        params = list(self.ddp.bucket_of)
+        position = {p: i for i, p in enumerate(params)}
+        salts = torch.zeros(nfrag + 1, dtype=torch.int64)
+        for frag in self.fragments:
+            g = slice(frag.storage_lo // GROUP, -(-(frag.storage_lo + frag.numel) // GROUP))
+            frag_of_group[g] = frag.index
+            index_offset[g] = frag.param_lo - frag.storage_lo
+            decay[g] = frag.param.dim() >= 2 and self.weight_decay > 0
+            counted[g] = _counts_in_grad_norm(frag.param, self.tp.rank)
+            salts[frag.index] = zlib.crc32(self._rounding_name(frag).encode())
+        self._frag_of_group, self._index_offset = frag_of_group.to(device), index_offset.to(device)
+        self._group_decay, self._group_counted = decay.to(device), counted.to(device)
+        self._param_of_frag = torch.tensor([position[f.param] for f in self.fragments], dtype=torch.int64, device=device)
+        self._rounding_salts, self._num_params = salts.to(device), len(params)
+        # Each bucket's shard: (bucket, its local range, its first storage index).
+        self._shards, storage = [], 0
+        for bucket in self.ddp.buckets:
+            lo, hi = bucket.shard_range(self.dp.rank, self.dp.size, self.ddp.distributed)
+            if hi > lo:
+                self._shards.append((bucket, lo, hi, storage))
+            storage += hi - lo
+
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far (a host sync: read it at log or save time)."""
+        return int(self._step)
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step.fill_(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped.fill_(value)
+
     def _chunks(self, frag: Fragment):
         """(bucket index range, storage range) of each chunk of a fragment."""
         for off in range(0, frag.numel, self.chunk_size):
@@ -137,24 +201,18 @@ class DistributedOptimizer:
         values = self.master.decode(s, s + n)
         return values / self.master_scale[frag.index] if self.master_weight_dtype == "fp16" else values
 
-    def _encode_master(self, frag: Fragment, s: int, n: int, values: torch.Tensor, param_lo: int | None = None) -> None:
-        """Round to nearest, or (the step's update: ``param_lo`` = the chunk's first flat index in the
-        parameter) stochastically, so that steps below fp16's grid spacing still move the weight on average."""
+    def _encode_master(self, frag: Fragment, s: int, n: int, values: torch.Tensor) -> None:
+        """Round to nearest (start-up and reloads; the step's update rounds stochastically, in ``step``)."""
         if self.master_weight_dtype == "fp16":
             values = values * self.master_scale[frag.index]
-            if param_lo is not None:
-                uniform = counter_uniform(self._rounding_key(frag), param_lo, n, values.device)
-                values = stochastic_round_to_fp16(values, uniform)
         self.master.encode(s, s + n, values)
 
-    def _rounding_key(self, frag: Fragment) -> int:
+    def _rounding_name(self, frag: Fragment) -> str:
         """Every holder of the same values draws the same bits: TP-replicated parameters (norms) are salted by
         name only, so their TP copies stay identical; the last stage's copy of a tied embedding uses the
         embedding's name (what checkpoints call it). TP shards of one tensor are salted apart by TP rank."""
         name = "embedding.weight" if getattr(frag.param, "shared_embedding", False) else frag.name
-        if is_tensor_model_parallel(frag.param):
-            name = f"{name}@tp{self.tp.rank}"
-        return rounding_key(self.rounding_seed, self.step_count, name)
+        return f"{name}@tp{self.tp.rank}" if is_tensor_model_parallel(frag.param) else name
 
     def _agreed_param_amax(self, local: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over DP."""
@@ -193,83 +251,104 @@ class DistributedOptimizer:
         self._init_master(owned)
         self._publish()
 
-    def _rescale_fp16_master(self, local_amax: dict[nn.Parameter, torch.Tensor]) -> None:
-        if not self.fragments:
-            return
-        agreed = self._agreed_param_amax(local_amax)
-        amax = torch.stack([agreed[frag.param] for frag in self.fragments])
-        level = torch.log2(amax * self.master_scale)
-        moved = (amax > 0) & ((level < FP16_SCALE_LOW) | (level > FP16_SCALE_HIGH))
-        new_scales = _pow2_scale(amax)
-        for i in moved.nonzero().flatten().tolist():  # one host sync per step, rescales are rare
-            frag, s = self.fragments[i], self.fragments[i].storage_lo
-            codes = self.master.decode(s, s + frag.numel)
-            self.master.encode(s, s + frag.numel, codes * (new_scales[i] / self.master_scale[i]))  # power of two: exact
-            self.master_scale[i] = new_scales[i]
-
     # ---- the step -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
 
-    def _grad(self, frag: Fragment, b: int, n: int) -> torch.Tensor:
-        return frag.bucket.grad_data[b:b + n].float()
+    def _shard_grads(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        return bucket.grad_data[lo:hi].float()
+
+    @staticmethod
+    def _groups(start: int, n: int) -> slice:
+        return slice(start // GROUP, (start + n) // GROUP)
 
     @torch.no_grad()
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squared grads over the whole model, each element once: TP-replicated parameters count
         on TP rank 0, a pipeline copy of a tied embedding (``shared_embedding``) not at all, DP shards are
-        disjoint (plain DDP: replicas are identical, so each counts 1/DP). NaN/inf anywhere -> non-finite."""
+        disjoint (plain DDP: replicas are identical, so each counts 1/DP). NaN/inf anywhere -> non-finite.
+        One pass per bucket (fp64 sums per 128-group, then a masked sum), one all-reduce, no host sync."""
         total = torch.zeros((), dtype=torch.float64, device=self.master_scale.device)
-        for frag in self.fragments:
-            p = frag.param
-            if getattr(p, "shared_embedding", False) or (not is_tensor_model_parallel(p) and self.tp.rank != 0):
-                continue
-            for b, _s, n, _pl in self._chunks(frag):
-                total += self._grad(frag, b, n).double().square().sum()
+        for bucket, lo, hi, start in self._shards:
+            squares = self._shard_grads(bucket, lo, hi).double().square().view(-1, GROUP).sum(dim=1)
+            total += torch.where(self._group_counted[self._groups(start, hi - lo)], squares, 0.0).sum()
         if not self.ddp.distributed:
             total /= self.dp.size
         return C.all_reduce(total, self.world, "dp_grad_reduce")
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        """One AdamW step with learning rate ``lr`` (the training loop owns the schedule)."""
+        """One AdamW step with learning rate ``lr`` (the training loop owns the schedule). Skipped (every stored
+        state kept) when the global grad norm is not finite; every rank sees the same all-reduced norm."""
         self.ddp.finish_grad_sync()
         self.ddp.finish_param_sync()  # no gather may still be writing into the parameters
-        norm = float(self.grad_norm_squared().sqrt())
-        if not math.isfinite(norm):
-            self.skipped_steps += 1  # every rank saw the same all-reduced value: all skip together
-            if self.ddp.fp8_params:  # the same weights, cast again under the scales this step's update() set,
-                self._publish()      # as a run resumed from this step's checkpoint casts them
-            return StepResult(True, norm)
-        clip = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 and norm + 1e-6 > self.clip_grad else 1.0
-        self.step_count += 1
+        norm = self.grad_norm_squared().sqrt()
+        finite = torch.isfinite(norm)
+        clip = None
+        if self.clip_grad > 0:  # the python rule clip_grad / (norm + 1e-6), in fp64 as before, then fp32
+            shifted = norm + 1e-6
+            clip = torch.where(shifted > self.clip_grad, torch.full_like(shifted, self.clip_grad) / shifted, 1.0).float()
+        step = self._step + 1  # this update's count, committed only if finite
         beta1, beta2 = self.betas
-        bias_correction1 = 1 - beta1 ** self.step_count
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
-        local_amax = {}
-        for frag in self.fragments:
-            decay = self.weight_decay if frag.param.dim() >= 2 else 0.0
-            for b, s, n, pl in self._chunks(frag):
-                g = self._grad(frag, b, n)
-                if clip != 1.0:
-                    g.mul_(clip)
-                p = self._decode_master(frag, s, n)
-                m, v = self.exp_avg.decode(s, s + n), self.exp_avg_sq.decode(s, s + n)
-                # torch.optim.AdamW (single-tensor, non-capturable) in the same operation order.
-                p.mul_(1 - lr * decay)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
-                p.addcdiv_(m, denom, value=-lr / bias_correction1)
-                self._encode_master(frag, s, n, p, param_lo=pl)
-                self.exp_avg.encode(s, s + n, m)
-                self.exp_avg_sq.encode(s, s + n, v)
-                a = p.abs().amax()
-                local_amax[frag.param] = torch.maximum(local_amax.get(frag.param, a), a)
-        if self.master_weight_dtype == "fp16":
-            self._rescale_fp16_master(local_amax)
+        powers = torch.pow(torch.tensor(self.betas, dtype=torch.float64, device=norm.device), step.double())
+        bias_correction1 = 1 - powers[0]
+        bias_correction2_sqrt = torch.sqrt(1 - powers[1]).float()
+        step_size = (torch.full_like(bias_correction1, -lr) / bias_correction1).float()
+        decay_factor = 1 - lr * self.weight_decay
+        fp16 = self.master_weight_dtype == "fp16"
+        if fp16:
+            scale_of_group = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group]
+            keys = rounding_keys(self.rounding_seed, step, self._rounding_salts)[self._frag_of_group]
+            frag_amax = self.master_scale.new_zeros(len(self.fragments) + 1)
+        for bucket, lo, hi, start in self._shards:
+            n, groups = hi - lo, self._groups(start, hi - lo)
+            g = self._shard_grads(bucket, lo, hi)
+            if clip is not None:
+                g = g * clip
+            p = self.master.decode(start, start + n).view(-1, GROUP)
+            if fp16:
+                p = p / scale_of_group[groups, None]
+            m, v = self.exp_avg.decode(start, start + n), self.exp_avg_sq.decode(start, start + n)
+            # torch.optim.AdamW (single-tensor, non-capturable) in the same operation order, out of place.
+            if self.weight_decay > 0:
+                p = p * torch.where(self._group_decay[groups, None], decay_factor, 1.0)
+            p = p.reshape(-1)
+            m = torch.lerp(m, g, 1 - beta1)
+            v = (v * beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            p = p + m.mul(step_size).div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
+            if fp16:
+                codes = p.view(-1, GROUP) * scale_of_group[groups, None]
+                index = torch.arange(start, start + n, device=p.device).view(-1, GROUP) + self._index_offset[groups, None]
+                uniform = counter_uniform_at(keys[groups, None], index)
+                self.master.encode(start, start + n, stochastic_round_to_fp16(codes, uniform).view(-1), keep=finite)
+                frag_amax.scatter_reduce_(0, self._frag_of_group[groups], p.abs().view(-1, GROUP).amax(dim=1), "amax")
+            else:
+                self.master.encode(start, start + n, p, keep=finite)
+            self.exp_avg.encode(start, start + n, m, keep=finite)
+            self.exp_avg_sq.encode(start, start + n, v, keep=finite)
+        if fp16 and self.fragments:
+            self._rescale_fp16_master(frag_amax[:-1], finite)
+        self._step += finite
+        self._skipped += ~finite
+        # Always published (a skipped step publishes the same weights): FP8 weights are cast again under the
+        # scales this step's update() set, as a run resumed from this step's checkpoint casts them.
         self._publish()
-        return StepResult(False, norm)
+        return StepResult(~finite, norm)
+
+    def _rescale_fp16_master(self, frag_amax: torch.Tensor, finite: torch.Tensor) -> None:
+        """Move a tensor's power-of-two scale when its agreed amax left ``[2^8, 2^13]`` (exact: codes times a
+        power of two; 1 elsewhere), for every fragment at once."""
+        param_amax = frag_amax.new_zeros(self._num_params).index_copy_(0, self._param_of_frag, frag_amax)
+        C.all_reduce(param_amax, self.dp, "amax_reduce", op=dist.ReduceOp.MAX)
+        amax = param_amax[self._param_of_frag]
+        level = torch.log2(amax * self.master_scale)
+        moved = (amax > 0) & ((level < FP16_SCALE_LOW) | (level > FP16_SCALE_HIGH)) & finite
+        new_scales = torch.where(moved, _pow2_scale(amax), self.master_scale)
+        ratio = torch.cat([new_scales / self.master_scale, new_scales.new_ones(1)])[self._frag_of_group]
+        codes = self.master.values
+        codes.copy_(codes.float().view(-1, GROUP).mul_(ratio[:, None]).view(-1))
+        self.master_scale.copy_(new_scales)
 
     # ---- publishing the new weights -------------------------------------------------------------
     def _publish(self) -> None:
@@ -279,14 +358,31 @@ class DistributedOptimizer:
         invalidate_fp8_weight_caches(self.ddp.module)
         self.ddp.take_guard_switches()
         fp8_frags = []
+        whole = self._whole_shard_buckets()
+        for bucket, lo, hi, start in self._shards:
+            if bucket in whole:  # one copy per bucket shard (its padding holds zeros in both)
+                bucket.param_data[lo:hi].copy_(self._decode_storage(start, hi - lo))
         for frag in self.fragments:
             if frag.param in self.ddp.fp8_params:
                 fp8_frags.append(frag)
-            else:
+            elif frag.bucket not in whole:
                 self._write_high_precision(frag)
         if self.ddp.fp8_params:
             self._publish_fp8(fp8_frags)
         self.ddp.start_param_sync()
+
+    def _whole_shard_buckets(self) -> set[Bucket]:
+        """Buckets whose owned shard is written to ``param_data`` as is: high-precision weights only."""
+        special = set(self.ddp.fp8_params) | set(self.ddp.switched_weights)
+        return {b for b, *_ in self._shards if b.param_data is not None and not any(p in special for p in b.params)}
+
+    def _decode_storage(self, start: int, n: int) -> torch.Tensor:
+        """The master values of storage ``[start, start + n)`` (group-aligned), in fp32."""
+        values = self.master.decode(start, start + n)
+        if self.master_weight_dtype != "fp16":
+            return values
+        scales = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group[self._groups(start, n)]]
+        return (values.view(-1, GROUP) / scales[:, None]).view(-1)
 
     def _write_high_precision(self, frag: Fragment) -> None:
         for b, s, n, _pl in self._chunks(frag):
@@ -424,3 +520,8 @@ def _world_handle(ps) -> GroupHandle:
     if ps.world_size == 1 or not dist.is_initialized():
         return GroupHandle.solo(ps.rank, ps.comm)
     return GroupHandle(group=dist.group.WORLD, ranks=tuple(range(ps.world_size)), rank=ps.rank, counters=ps.comm)
+
+
+def _counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
+    """Each element once: a tied embedding's pipeline copy never, a TP-replicated parameter on TP rank 0 only."""
+    return not getattr(param, "shared_embedding", False) and (is_tensor_model_parallel(param) or tp_rank == 0)

@@ -1,6 +1,6 @@
 """Storage formats ("codecs") for the optimizer's per-element state: fp32, bf16, and FP8 E4M3 with
 COAT-style dynamic range expansion in 128-element groups. A codec stores a flat shard and decodes /
-encodes one 128-aligned chunk at a time, so the step never holds a full-precision copy of the state.
+encodes any 128-aligned range (the optimizer's step takes the whole shard at once: a fixed number of ops).
 
 FP8 codec (COAT, Xi et al. 2024, "dynamic range expansion"): Adam's moments span far more binades
 inside a group than E4M3 can hold with one scale (448 / 2^-6 = 2^14.8 between the largest value and
@@ -47,7 +47,9 @@ class StateCodec:
     def decode(self, start: int, end: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def encode(self, start: int, end: int, values: torch.Tensor) -> None:
+    def encode(self, start: int, end: int, values: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Store ``values`` in ``[start, end)``; where ``keep`` (a bool tensor, on the device) is False the
+        stored state stays as it was: the optimizer skips a non-finite step without asking the host."""
         raise NotImplementedError
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -66,8 +68,9 @@ class PlainCodec(StateCodec):
     def decode(self, start: int, end: int) -> torch.Tensor:
         return self.values[start:end].float()
 
-    def encode(self, start: int, end: int, values: torch.Tensor) -> None:
-        self.values[start:end].copy_(values)
+    def encode(self, start: int, end: int, values: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        stored = self.values[start:end]
+        stored.copy_(values if keep is None else torch.where(keep, values.to(stored.dtype), stored))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"values": self.values}
@@ -91,7 +94,7 @@ class Fp8ExpandCodec(StateCodec):
         a = amax * (y.abs() / E4M3_MAX).pow(1.0 / k)
         return (torch.sign(y) * a).reshape(-1)[: end - start]
 
-    def encode(self, start: int, end: int, values: torch.Tensor) -> None:
+    def encode(self, start: int, end: int, values: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         groups, n = _grouped(start, end)
         x = _padded(values.float(), n).view(-1, GROUP)
         a = x.abs()
@@ -102,9 +105,11 @@ class Fp8ExpandCodec(StateCodec):
         k = _bf16_round(torch.where(amax > 0, k, torch.ones_like(k)), up=False)
         safe_amax = torch.where(amax > 0, amax, torch.ones_like(amax)).unsqueeze(1)
         y = torch.sign(x) * (a / safe_amax).pow(k.unsqueeze(1)) * E4M3_MAX
-        self.codes[start:end].copy_(y.reshape(-1)[: end - start].clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
-        self.amax[groups].copy_(amax)
-        self.k[groups].copy_(k)
+        codes = y.reshape(-1)[: end - start].clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        # float8 has no torch.where: keep or replace the codes as bytes (amax and k are bf16-exact already).
+        for stored, new in ((self.codes[start:end].view(torch.uint8), codes.view(torch.uint8)),
+                            (self.amax[groups], amax.to(torch.bfloat16)), (self.k[groups], k.to(torch.bfloat16))):
+            stored.copy_(new if keep is None else torch.where(keep, new, stored))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "amax": self.amax, "k": self.k}

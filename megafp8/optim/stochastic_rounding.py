@@ -43,11 +43,22 @@ def rounding_key(seed: int, step: int, name: str) -> int:
     return _mix32_int(_mix32_int(_mix32_int(seed) ^ step) ^ zlib.crc32(name.encode()))
 
 
+def rounding_keys(seed: int, step: torch.Tensor, name_salts: torch.Tensor) -> torch.Tensor:
+    """``rounding_key`` on the device: ``step`` an int64 tensor, ``name_salts`` the names' crc32 (int64)."""
+    return _mix32(_mix32(_mix32_int(seed) ^ step) ^ name_salts)
+
+
 def counter_uniform(key: int, start: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """fp32 uniforms in [0, 1) for elements ``[start, start + n)``: ``hash(key, index)``, one per index."""
-    index = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    return counter_uniform_at(torch.tensor(key, dtype=torch.int64, device=device),
+                              torch.arange(start, start + n, dtype=torch.int64, device=device))
+
+
+def counter_uniform_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``counter_uniform`` at arbitrary flat indices (int64), with int64 keys broadcast against them: the
+    optimizer draws a whole shard's uniforms at once, each element keyed by its parameter's key."""
     h = _mix32((index & _MASK32) ^ key)
-    h = _mix32(h ^ (index >> 32) ^ _mix32_int(key ^ 0x9E3779B9))
+    h = _mix32(h ^ (index >> 32) ^ _mix32(key ^ 0x9E3779B9))
     return (h >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0 ** -UNIFORM_BITS
 
 
