@@ -5,11 +5,14 @@ Order of one iteration (every rank):
     zero the grad buffer -> forward/backward of each micro-batch -> finish the DP grad reduction ->
     optimizer step at lr(consumed samples) (skipped on every rank if any grad is non-finite) ->
     FP8 delayed-scaling update (one amax collective) -> saturation guard -> log / evaluate / save / exit.
+
+An iteration that does not log asks the device nothing: the loss, the grad norm and the skipped/NaN counts
+stay device tensors, read on log iterations (and before a save) by one copy of a packed tensor. The FP8
+saturation guard still reads its telemetry every step (megafp8.fp8.telemetry's own host read).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import time
@@ -79,13 +82,14 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def _mean_over(value: torch.Tensor, group) -> float:
-    """Average of a scalar over a group (the DP replicas' losses). Logging-sized: not byte-counted."""
+def _mean_over(value: torch.Tensor, group) -> torch.Tensor:
+    """Average of a scalar over a group (the DP replicas' losses), left on the device (no host sync).
+    Logging-sized: not byte-counted."""
     value = value.detach().float().reshape(1).clone()  # on the loss's device: NCCL reduces no CPU tensor
     if group is not None:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
-    return value.item()
+    return value.reshape(())
 
 
 def _on_any_rank(value: bool) -> bool:
@@ -139,10 +143,13 @@ class Trainer:
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's share of a global batch: (inputs, labels), each [micro x micro-batches, seq]."""
         tokens = torch.cat([next(source) for _ in range(self.args.num_micro_batches)])
+        device = getattr(self.pipeline, "device", None)
+        if device is not None and device.type == "cuda":  # through pinned memory: the copy does not block the host
+            tokens = tokens.pin_memory().to(device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:]
 
-    def train_step(self) -> tuple[float, bool, float]:
-        """(loss averaged over micro-batches and DP, optimizer updated?, grad norm)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss averaged over micro-batches and DP, optimizer updated?, grad norm), as device tensors."""
         self.ddp.zero_grad_buffer()
         inputs, labels = self._global_batch(self.train_batches)
         injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
@@ -155,14 +162,14 @@ class Trainer:
             for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
                 if self.is_stage_lead:
                     print(f" {message}", flush=True)
-        return _mean_over(loss, self.ps.dp_group.group), not result.skipped, result.grad_norm
+        return _mean_over(loss, self.ps.dp_group.group), ~result.skipped_flag, result.grad_norm_tensor
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over --eval-iters global batches (no grads, no FP8 scaling-state updates)."""
         losses = [self.pipeline.evaluate(*self._global_batch(self.valid_batches)) for _ in range(self.args.eval_iters)]
         self.progress.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
-        return _mean_over(torch.stack(losses).mean(), self.ps.dp_group.group)
+        return float(_mean_over(torch.stack(losses).mean(), self.ps.dp_group.group))
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> TrainProgress:
@@ -171,6 +178,10 @@ class Trainer:
         self.ps.comm.reset()  # setup traffic (the first parameter gather, a checkpoint load) is no iteration's
         start_time = self.start_time = time.monotonic()
         window_start, window_iters = time.perf_counter(), 0
+        # This run's skipped / NaN iterations so far, on the device; folded into `p` when read.
+        device = self.optimizer.master_scale.device
+        self._new_skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._new_nan = torch.zeros((), dtype=torch.int64, device=device)
         try:
             while p.iteration < self.train_iters:
                 telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
@@ -181,11 +192,12 @@ class Trainer:
                 p.iteration += 1
                 p.consumed_samples += args.global_batch_size
                 window_iters += 1
-                if not updated:
-                    p.skipped_iterations += 1
-                    p.nan_iterations += int(not math.isfinite(grad_norm) or not math.isfinite(loss))
+                skipped = ~updated.to(device)
+                self._new_skipped += skipped
+                self._new_nan += skipped & ~(torch.isfinite(grad_norm) & torch.isfinite(loss.to(device)))
                 if p.iteration % args.log_interval == 0:
                     elapsed = (time.perf_counter() - window_start) / window_iters
+                    loss, grad_norm = self._read_counters(loss, grad_norm)
                     self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None)
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
@@ -195,17 +207,31 @@ class Trainer:
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
+                    self._read_counters()
                     self.checkpointer.save(self)
                 if stop_now:
                     break
             else:
                 if self.checkpointer is not None and (args.save_interval is None or p.iteration % args.save_interval):
+                    self._read_counters()
                     self.checkpointer.save(self)  # the final state, unless the last interval just saved it
             self._log_guard_switches()  # those after the last logged iteration
         finally:
             stop.restore()
             self.log.close()
+        self._read_counters()
         return p
+
+    def _read_counters(self, *scalars: torch.Tensor) -> list[float]:
+        """Fold the device-side skipped/NaN counts into the progress counters and return ``scalars`` as floats:
+        one device->host copy of them packed together."""
+        packed = torch.stack([self._new_skipped.double(), self._new_nan.double(),
+                              *(t.to(self._new_skipped.device).double().reshape(()) for t in scalars)]).tolist()
+        self.progress.skipped_iterations += int(packed[0])
+        self.progress.nan_iterations += int(packed[1])
+        self._new_skipped.zero_()
+        self._new_nan.zero_()
+        return packed[2:]
 
     def _must_stop(self, stop: StopSignal, start_time: float) -> bool:
         """A signal or --exit-duration-in-mins on any rank stops every rank after the same iteration (all
