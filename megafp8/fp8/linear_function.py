@@ -256,7 +256,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_fp8 = quantize_operand(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer,
                                      observe=args.observe)
             x_t = x_fp8.col_major() if needs_wgrad else None
-        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x.dtype, bias)
+        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x.dtype, bias,
+                              fast_accum=recipe.fast_accum("fprop"))
         if args.sp_output is not None:
             y = args.sp_output.reduce_scatter_rows_async(y).wait()  # partial sums -> this rank's sequence shard
 
@@ -332,9 +333,11 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
                       out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_gemm on (data, scale_inv) pairs; with `out` the product is accumulated into it."""
-    return fp8_gemm(a[0], b[0], a[1], b[1], out_dtype=out_dtype, bias=bias, out=out, accumulate=out is not None)
+                      out: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """fp8_gemm on (data, scale_inv) pairs; with `out` the product is accumulated into it. `fast_accum` is the
+    recipe's choice for fprop (Fp8Recipe.fast_accum); dgrad and wgrad keep fp32 promotion."""
+    return fp8_gemm(a[0], b[0], a[1], b[1], out_dtype=out_dtype, bias=bias, out=out, accumulate=out is not None,
+                    fast_accum=fast_accum)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_fp8: Float8Tensor,

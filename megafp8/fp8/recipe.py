@@ -27,6 +27,10 @@ class Fp8Recipe:
     amax_history_len, amax_compute_algo, margin: delayed scaling only;
                         scale = FP8_MAX / amax / 2**margin with amax = max(history) or the most recent entry
     power_of_2_scale:   round every scale down to a power of two (exact to invert, no mantissa rounding)
+    fprop_fast_accum:   fprop (x W^T) lets the tensor core accumulate over all of K without promoting to fp32
+                        every K step (TransformerEngine's recipes do so in fprop; dgrad/wgrad always promote).
+                        Only tensorwise/rowwise GEMMs offer it (delayed, tensorwise, rowwise); blockwise promotes
+                        every 128 of K by construction. CUDA only: the CPU reference GEMM is exact either way.
     """
 
     scaling: Literal["delayed", "tensorwise", "rowwise", "blockwise"] = "delayed"
@@ -35,6 +39,7 @@ class Fp8Recipe:
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     margin: int = 0
     power_of_2_scale: bool = False
+    fprop_fast_accum: bool = True
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -78,6 +83,7 @@ class Fp8Recipe:
             amax_compute_algo=getattr(args, "fp8_amax_compute_algo", "max"),
             margin=getattr(args, "fp8_margin", 0),
             power_of_2_scale=getattr(args, "fp8_power_of_2_scale", False),
+            fprop_fast_accum=getattr(args, "fp8_fprop_fast_accum", True),
         )
 
     def replace(self, **overrides) -> Fp8Recipe:
@@ -93,6 +99,10 @@ class Fp8Recipe:
         if role == "grad_output" and self.fp8_format == "hybrid":
             return torch.float8_e5m2  # gradients need range more than precision
         return torch.float8_e4m3fn
+
+    def fast_accum(self, gemm: str) -> bool:
+        """Whether GEMM `gemm` (fprop, dgrad, wgrad) accumulates fast (see `fprop_fast_accum`)."""
+        return gemm == "fprop" and self.fprop_fast_accum and self.scaling != "blockwise"
 
     def granularity(self, role: str) -> Granularity:
         if self.scaling in ("delayed", "tensorwise"):
