@@ -40,6 +40,17 @@ def sp_model(small_corpus, tmp_path_factory) -> str:
     return _memo["sp_model"]
 
 
+@pytest.fixture
+def text_prefix(small_corpus, sp_model, tmp_path) -> tuple[str, str]:
+    """(``--data-path`` prefix, ``--tokenizer-model``): ``small_corpus`` preprocessed with ``sp_model`` by the
+    user's tool, for tests that run the training entry."""
+    result = run_tool("preprocess_data.py", "--input", small_corpus, "--output-prefix", str(tmp_path / "stdlib"),
+                      "--json-keys", "text", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                      sp_model, "--append-eod", "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    return str(tmp_path / "stdlib_text_document"), sp_model
+
+
 def read_texts(jsonl_path: str, key: str = "text") -> list[str]:
     with open(jsonl_path, encoding="utf-8") as f:
         return [json.loads(line)[key] for line in f]

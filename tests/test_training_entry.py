@@ -8,19 +8,10 @@ import sys
 
 import pytest
 
-from data_fixtures import REPO_ROOT, run_tool, small_corpus, sp_model  # noqa: F401 (fixtures)
+from data_fixtures import REPO_ROOT, small_corpus, sp_model, text_prefix  # noqa: F401 (fixtures)
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "3e-4"]
-
-
-@pytest.fixture
-def text_prefix(small_corpus, sp_model, tmp_path):  # noqa: F811
-    result = run_tool("preprocess_data.py", "--input", small_corpus, "--output-prefix", str(tmp_path / "stdlib"),
-                      "--json-keys", "text", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                      sp_model, "--append-eod", "--workers", "1")
-    assert result.returncode == 0, result.stderr
-    return str(tmp_path / "stdlib_text_document"), sp_model
 
 
 def _pretrain(*flags: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:

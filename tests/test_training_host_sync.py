@@ -6,22 +6,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data_fixtures import run_tool, small_corpus, sp_model  # noqa: F401 (fixtures)
+from data_fixtures import small_corpus, sp_model, text_prefix  # noqa: F401 (fixtures)
 from megafp8 import pretrain
 from megafp8.training import train as train_module
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--train-iters", "4",
          "--log-interval", "4", "--eval-iters", "0", "--use-distributed-optimizer", "--clip-grad", "1.0"]
-
-
-@pytest.fixture
-def text_prefix(small_corpus, sp_model, tmp_path):  # noqa: F811
-    result = run_tool("preprocess_data.py", "--input", small_corpus, "--output-prefix", str(tmp_path / "stdlib"),
-                      "--json-keys", "text", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                      sp_model, "--append-eod", "--workers", "1")
-    assert result.returncode == 0, result.stderr
-    return str(tmp_path / "stdlib_text_document"), sp_model
 
 
 class _HostReads(TorchDispatchMode):
