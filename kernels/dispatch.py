@@ -67,31 +67,35 @@ def resolve_gemm_backend(mode: GemmScaleMode, a: torch.Tensor, b: torch.Tensor, 
 
 @torch.library.custom_op("megafp8::quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, fp8_dtype: torch.dtype, granularity_: str, power_of_2_scale: bool,
-                 scale: torch.Tensor | None, transpose: bool, backend: str
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    kwargs = dict(power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose)
+                 scale: torch.Tensor | None, transpose: bool, backend: str, stats: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kwargs = dict(power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose, stats=stats)
     if resolve_backend(x.device, backend or None) == "triton":
         from .quantize_triton import quantize_triton  # Triton is imported only where it is used
 
         q = quantize_triton(x, fp8_dtype, granularity_, **kwargs)
     else:
         q = quantize_reference(x, fp8_dtype, granularity_, **kwargs)
-    if transpose:
-        return q.data, q.scale_inv, q.amax, q.data_t, q.scale_inv_t
-    return q.data, q.scale_inv, q.amax, x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.float32)
+    # Outputs the call did not ask for are empty tensors (a custom op returns tensors, not None).
+    data_t, scale_inv_t = (q.data_t, q.scale_inv_t) if transpose else _no_transposed_copy(x, fp8_dtype)
+    counts = q.counts if stats else x.new_empty(0, dtype=torch.int64)
+    return q.data, q.scale_inv, q.amax, data_t, scale_inv_t, counts
+
+
+def _no_transposed_copy(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.float32)
 
 
 @_quantize_op.register_fake
-def _(x, fp8_dtype, granularity_, power_of_2_scale, scale, transpose, backend):
+def _(x, fp8_dtype, granularity_, power_of_2_scale, scale, transpose, backend, stats=False):
     gran = granularity(granularity_)
     check_quantize_args(x, fp8_dtype, gran, scale)
     M, K = x.shape
     scale_inv, amax = empty_scales(M, K, gran, x.device), empty_scales(M, K, gran, x.device)
-    if not transpose:
-        return x.new_empty((M, K), dtype=fp8_dtype), scale_inv, amax, x.new_empty(0, dtype=fp8_dtype), \
-            x.new_empty(0, dtype=torch.float32)
-    return (x.new_empty((M, K), dtype=fp8_dtype), scale_inv, amax, x.new_empty((K, M), dtype=fp8_dtype),
-            empty_scales(K, M, gran, x.device))
+    data_t, scale_inv_t = ((x.new_empty((K, M), dtype=fp8_dtype), empty_scales(K, M, gran, x.device)) if transpose
+                           else _no_transposed_copy(x, fp8_dtype))
+    counts = x.new_empty(2 if stats else 0, dtype=torch.int64)
+    return x.new_empty((M, K), dtype=fp8_dtype), scale_inv, amax, data_t, scale_inv_t, counts
 
 
 def quantize(
@@ -102,15 +106,16 @@ def quantize(
     power_of_2_scale: bool = False,
     scale: torch.Tensor | None = None,
     transpose: bool = False,
+    stats: bool = False,
     backend: str | None = None,
 ) -> Fp8Quantized:
-    """Quantize a 2-D tensor to FP8 (see quantize_reference for the exact rules)."""
+    """Quantize a 2-D tensor to FP8 (see quantize_reference for the exact rules). stats=True also returns
+    the cast's saturated/flushed counts (Fp8Quantized.counts), counted in the same pass."""
     gran = granularity.value if isinstance(granularity, Granularity) else granularity
-    data, scale_inv, amax, data_t, scale_inv_t = torch.ops.megafp8.quantize(
-        x, fp8_dtype, gran, power_of_2_scale, scale, transpose, backend or "")
-    if transpose:
-        return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t)
-    return Fp8Quantized(data, scale_inv, amax)
+    data, scale_inv, amax, data_t, scale_inv_t, counts = torch.ops.megafp8.quantize(
+        x, fp8_dtype, gran, power_of_2_scale, scale, transpose, backend or "", stats)
+    return Fp8Quantized(data, scale_inv, amax, data_t if transpose else None, scale_inv_t if transpose else None,
+                        counts if stats else None)
 
 
 # ---- GEMM --------------------------------------------------------------------------------------------

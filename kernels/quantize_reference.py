@@ -70,12 +70,24 @@ def expand_scale(scale: torch.Tensor, rows: int, cols: int, gran: Granularity) -
     return scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
 
 
-def _quantize_groups(x32: torch.Tensor, fmt: Fp8Format, gran: Granularity, power_of_2_scale: bool):
+def cast_counts(x32: torch.Tensor, scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """int64 [saturated, flushed] of one cast of x32 (scaled = x32 * scale): |scaled| past the saturation
+    threshold, and nonzero inputs that round to +-0 (|scaled| <= half the smallest subnormal; ties go to the
+    even 0, a NaN is neither). The Triton kernel counts the same per tile, on the FP8 bits it writes."""
+    magnitude = scaled.abs()
+    flags = torch.stack([magnitude > fmt.saturation_threshold, (magnitude <= fmt.flush_threshold) & (x32 != 0)])
+    return flags.sum(dim=(1, 2))
+
+
+def _quantize_groups(x32: torch.Tensor, fmt: Fp8Format, gran: Granularity, power_of_2_scale: bool,
+                     stats: bool = False):
     rows, cols = x32.shape
     amax = _group_amax(x32.abs(), gran)
     scale = scale_from_amax(amax, fmt.max, power_of_2_scale)
-    data = saturating_cast(x32 * expand_scale(scale, rows, cols, gran), fmt)
-    return data, to_scale_layout(reciprocal(scale), gran), to_scale_layout(amax, gran)
+    scaled = x32 * expand_scale(scale, rows, cols, gran)
+    counts = cast_counts(x32, scaled, fmt) if stats else None
+    return Fp8Quantized(saturating_cast(scaled, fmt), to_scale_layout(reciprocal(scale), gran),
+                        to_scale_layout(amax, gran), counts=counts)
 
 
 def quantize_reference(
@@ -86,20 +98,23 @@ def quantize_reference(
     power_of_2_scale: bool = False,
     scale: torch.Tensor | None = None,
     transpose: bool = False,
+    stats: bool = False,
 ) -> Fp8Quantized:
     """Quantize a 2-D tensor to FP8 with current scaling, or with a given tensorwise `scale` (delayed).
 
-    With transpose=True also returns the FP8 copy of x.T, whose groups run along x's rows.
+    With transpose=True also returns the FP8 copy of x.T, whose groups run along x's rows. With stats=True
+    also the counts of saturated and flushed elements of the row-major cast (Fp8Quantized.counts).
     """
     gran = granularity(granularity_)
     fmt = check_quantize_args(x, fp8_dtype, gran, scale)
     x32 = x.float()
     if scale is not None:
         scale = scale.reshape(())
-        data = saturating_cast(x32 * scale, fmt)
-        result = Fp8Quantized(data, reciprocal(scale), x32.abs().amax())
+        scaled = x32 * scale
+        counts = cast_counts(x32, scaled, fmt) if stats else None
+        result = Fp8Quantized(saturating_cast(scaled, fmt), reciprocal(scale), x32.abs().amax(), counts=counts)
     else:
-        result = Fp8Quantized(*_quantize_groups(x32, fmt, gran, power_of_2_scale))
+        result = _quantize_groups(x32, fmt, gran, power_of_2_scale, stats)
     if not transpose:
         return result
     if gran in (Granularity.TENSORWISE, Granularity.BLOCK_128X128):
@@ -107,5 +122,5 @@ def quantize_reference(
         # clone, not contiguous(): a 0-dim scale's transpose is itself, and outputs must not alias.
         return result._replace(data_t=result.data.t().contiguous(),
                                scale_inv_t=result.scale_inv.t().clone(memory_format=torch.contiguous_format))
-    data_t, scale_inv_t, _ = _quantize_groups(x32.t(), fmt, gran, power_of_2_scale)
-    return result._replace(data_t=data_t.contiguous(), scale_inv_t=scale_inv_t)
+    transposed = _quantize_groups(x32.t(), fmt, gran, power_of_2_scale)
+    return result._replace(data_t=transposed.data.contiguous(), scale_inv_t=transposed.scale_inv)

@@ -4,9 +4,14 @@ Twin: quantize_reference.py (same signature, same bits). Every launch works on 1
 - block granularities are one fused pass (a tile holds whole groups: 1x128 rows, 128x1 columns for the
   transposed copy, or one 128x128 block);
 - tensorwise and rowwise current scaling need the amax of a whole tensor/row first, so they run a tile
-  amax pass, reduce the partials, then the cast pass;
-- a given scale (delayed scaling) is one pass that also returns the tensor amax for the next update.
-The transposed copy (x.T in FP8, K-major for dgrad/wgrad) is written from the same registers.
+  amax pass that atomically MAXes each tile's amax into the tensor's/rows' (and columns') amax, then the
+  cast pass reads it: no torch reduce in between;
+- a given scale (delayed scaling) is one pass that also returns the tensor amax for the next update (the
+  same atomic MAX).
+The amax atomics work on the fp32 bits as int32: non-negative floats order like their bits, and a NaN
+(0x7FC00000, positive: |x| clears the sign) orders above +inf, so a NaN anywhere still wins, as torch.amax's.
+The transposed copy (x.T in FP8, K-major for dgrad/wgrad) is written from the same registers. With
+stats=True the cast also counts saturated and flushed elements: two int64 atomic adds per tile.
 """
 from __future__ import annotations
 
@@ -107,31 +112,40 @@ def _to_fp8_bits(y, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.co
 # kernels
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_amax_kernel(x_ptr, tile_amax_ptr, row_amax_ptr, col_amax_ptr, M, K,
+def _atomic_amax(amax_bits_ptr, amax, mask=None):
+    # MAX into zero-initialised fp32 amaxes through their int32 bits (see the module docstring).
+    tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _tile_amax_kernel(x_ptr, amax_bits_ptr, col_amax_bits_ptr, M, K,
                       ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Partial amaxes of one tile: of the tile, of each row, and (for rowwise transpose) of each column."""
+    """MAX one tile's amax into the tensor's (or each row's) amax, and (rowwise transpose) each column's."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)  # int64: M * K may exceed 2**31
     offs_k = pid_k * BK + tl.arange(0, BK).to(tl.int64)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     a = tl.abs(tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32))
     if ROWS:
-        tl.store(row_amax_ptr + offs_m * tl.num_programs(1) + pid_k, _nan_max(a, 1), mask=offs_m < M)
+        _atomic_amax(amax_bits_ptr + offs_m, _nan_max(a, 1), mask=offs_m < M)
     else:
-        tl.store(tile_amax_ptr + pid_m * tl.num_programs(1) + pid_k, _nan_max(_nan_max(a, 1), 0))
+        _atomic_amax(amax_bits_ptr, _nan_max(_nan_max(a, 1), 0))
     if COLS:
-        tl.store(col_amax_ptr + pid_m * K + offs_k, _nan_max(a, 0), mask=offs_k < K)
+        _atomic_amax(col_amax_bits_ptr + offs_k, _nan_max(a, 0), mask=offs_k < K)
 
 
 @triton.jit
 def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, scale_inv_ptr, scale_inv_t_ptr,
-                      M, K, MODE: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
-                      FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                      SOFTWARE_ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                      counts_ptr, M, K, MODE: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
+                      STATS: tl.constexpr, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
+                      EMIN: tl.constexpr, SATURATION: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
+                      BM: tl.constexpr, BK: tl.constexpr):
     """Scale and cast one tile; writes the row-major bytes, optionally the transposed bytes, and scales.
 
     MODE 0 tensorwise (amax precomputed), 1 rowwise (row/col amax precomputed), 2 block 1x128,
-    3 block 128x128, 4 given scale (writes the tile amax into amax_ptr for the delayed-scaling history).
+    3 block 128x128, 4 given scale (MAXes the tile amax into amax_ptr for the delayed-scaling history).
+    STATS: add this tile's saturated (|y| > SATURATION) and flushed (x != 0 cast to +-0) counts to
+    counts_ptr[0:2] (int64), the definitions of quantize_reference.cast_counts.
     """
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     n_k_tiles = tl.num_programs(1)
@@ -167,12 +181,17 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
         y = x * scale
     else:
         scale = tl.load(scale_ptr)
-        tl.store(amax_ptr + pid_m * n_k_tiles + pid_k, _nan_max(_nan_max(tl.abs(x), 1), 0))
+        _atomic_amax(amax_ptr, _nan_max(_nan_max(tl.abs(x), 1), 0))
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_inv_ptr, _reciprocal(scale))
         y = x * scale
     q = _to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
     tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
+    if STATS:  # padding loads x = 0: never saturated, never a flushed nonzero
+        saturated = tl.sum((tl.abs(y) > SATURATION).to(tl.int64))
+        flushed = tl.sum((((q & 0x7F) == 0) & (x != 0)).to(tl.int64))
+        tl.atomic_add(counts_ptr, saturated)
+        tl.atomic_add(counts_ptr + 1, flushed)
 
     if TRANSPOSE:
         t_mask = col_ok[:, None] & row_ok[None, :]
@@ -203,6 +222,7 @@ def quantize_triton(
     power_of_2_scale: bool = False,
     scale: torch.Tensor | None = None,
     transpose: bool = False,
+    stats: bool = False,
 ) -> Fp8Quantized:
     """Triton twin of `quantize_reference` (same arguments, same bits)."""
     gran = granularity(granularity_)
@@ -219,40 +239,36 @@ def quantize_triton(
     scale_inv_t = None
     if transpose and gran in (Granularity.ROWWISE, Granularity.BLOCK_1X128):
         scale_inv_t = empty_scales(K, M, gran, dev)
+    counts = torch.zeros(2, device=dev, dtype=torch.int64) if stats else None
 
     dummy = scale_inv  # stands in for pointers a mode does not touch
     col_amax = dummy
     if scale is not None:
         mode = _GIVEN_SCALE
-        amax = torch.empty(grid, **f32)  # per-tile partials, reduced below
+        amax = torch.zeros((), **f32)  # the cast MAXes every tile's amax into it
     elif gran is Granularity.TENSORWISE:
         mode = _MODE[gran]
-        partial = torch.empty(grid, **f32)
-        _tile_amax_kernel[grid](x, partial, dummy, dummy, M, K, ROWS=False, COLS=False, BM=TILE, BK=TILE)
-        amax = partial.amax()  # torch.amax propagates NaN
+        amax = torch.zeros((), **f32)
+        _tile_amax_kernel[grid](x, amax.view(torch.int32), dummy, M, K, ROWS=False, COLS=False, BM=TILE, BK=TILE)
     elif gran is Granularity.ROWWISE:
         mode = _MODE[gran]
-        row_partial = torch.empty((M, grid[1]), **f32)
-        col_partial = torch.empty((grid[0], K), **f32) if transpose else dummy
-        _tile_amax_kernel[grid](x, dummy, row_partial, col_partial, M, K, ROWS=True, COLS=transpose, BM=TILE, BK=TILE)
-        amax = row_partial.amax(dim=1, keepdim=True)
-        if transpose:
-            col_amax = col_partial.amax(dim=0)
+        amax = torch.zeros((M, 1), **f32)
+        col_amax = torch.zeros(K, **f32) if transpose else dummy
+        _tile_amax_kernel[grid](x, amax.view(torch.int32), col_amax.view(torch.int32), M, K, ROWS=True,
+                                COLS=transpose, BM=TILE, BK=TILE)
     else:
         mode = _MODE[gran]
         amax = empty_scales(M, K, gran, dev)
 
     _cast_tile_kernel[grid](
         x, data.view(torch.uint8), data_t.view(torch.uint8) if transpose else data.view(torch.uint8),
-        amax, col_amax, scale if scale is not None else dummy, scale_inv,
-        scale_inv_t if scale_inv_t is not None else dummy,
-        M, K, MODE=mode, TRANSPOSE=transpose, POW2=power_of_2_scale,
+        amax.view(torch.int32) if mode == _GIVEN_SCALE else amax, col_amax, scale if scale is not None else dummy,
+        scale_inv, scale_inv_t if scale_inv_t is not None else dummy, counts if stats else dummy,
+        M, K, MODE=mode, TRANSPOSE=transpose, POW2=power_of_2_scale, STATS=stats,
         FP8_DTYPE=triton_fp8_dtype(fp8_dtype), FP8_MAX=fmt.max, MBITS=fmt.mantissa_bits,
-        EMIN=fmt.min_normal_exponent, SOFTWARE_ROUNDING=_interpreting(), BM=TILE, BK=TILE,
-        num_warps=8,
+        EMIN=fmt.min_normal_exponent, SATURATION=fmt.saturation_threshold, SOFTWARE_ROUNDING=_interpreting(),
+        BM=TILE, BK=TILE, num_warps=8,
     )
-    if scale is not None:
-        amax = amax.amax()
     if transpose and scale_inv_t is None:
         scale_inv_t = scale_inv.t().clone(memory_format=torch.contiguous_format)  # never an alias of scale_inv
-    return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t)
+    return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t, counts)

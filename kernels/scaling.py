@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +20,18 @@ class Fp8Format:
     max: float  # largest finite value; casts saturate here
     mantissa_bits: int
     min_normal_exponent: int  # below it values are subnormal (quantum 2**(emin - mantissa_bits))
+
+    @property
+    def saturation_threshold(self) -> float:
+        """The scaled magnitude above which a value is clipped rather than rounded: FP8_MAX plus half an ulp
+        at FP8_MAX (E4M3: 464, E5M2: 61440). Anything up to it rounds to a representable value honestly."""
+        top_exponent = math.frexp(self.max)[1] - 1
+        return self.max + 0.5 * 2.0 ** (top_exponent - self.mantissa_bits)
+
+    @property
+    def flush_threshold(self) -> float:
+        """Half the smallest subnormal: a scaled magnitude up to it rounds (to nearest even) to +-0."""
+        return 0.5 * 2.0 ** (self.min_normal_exponent - self.mantissa_bits)
 
 
 E4M3 = Fp8Format(torch.float8_e4m3fn, 448.0, 3, -6)
@@ -101,6 +114,9 @@ class Fp8Quantized(NamedTuple):
                  Hopper FP8 GEMMs want both operands K-major, so dgrad/wgrad need this copy.
     scale_inv_t: its scales, `scale_shape(K, M, granularity)`; for tensorwise and 128x128 the same
                  numbers as scale_inv (transposed for tiles).
+    counts:      int64 [2] (None unless stats=True): of the row-major cast, how many elements saturated
+                 (|x * scale| > saturation_threshold) and how many were flushed (x != 0 quantized to +-0);
+                 counted by the cast itself, so FP8 telemetry needs no second pass over the tensor.
     """
 
     data: torch.Tensor
@@ -108,6 +124,7 @@ class Fp8Quantized(NamedTuple):
     amax: torch.Tensor
     data_t: torch.Tensor | None = None
     scale_inv_t: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
 
 
 def check_quantize_args(
