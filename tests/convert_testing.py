@@ -14,14 +14,15 @@ TOLERANCE = 1e-5  # fp32 end to end: only summation order differs
 
 
 def tiny_hf_llama(directory: Path, *, tie: bool, vocab_size: int = 100, num_layers: int = 2,
-                  max_shard_size: str = "50KB", seed: int = 0):
-    """A random GQA LlamaForCausalLM (norm weights random too, so a swapped norm shows) saved sharded."""
+                  max_shard_size: str = "50KB", seed: int = 0, **config_fields):
+    """A random GQA LlamaForCausalLM (norm weights random too, so a swapped norm shows) saved sharded;
+    ``config_fields`` override LlamaConfig's (e.g. ``max_position_embeddings``, ``rope_parameters``)."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=500000.0,
-                                      tie_word_embeddings=tie, attn_implementation="eager")
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+                  rope_theta=500000.0, tie_word_embeddings=tie, attn_implementation="eager")
+    config = transformers.LlamaConfig(**{**fields, **config_fields})
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from convert_testing import TOLERANCE, checkpoint_tensors, convert, rel_err, tiny_hf_llama  # noqa: E402
 from distributed_testing import run_distributed  # noqa: E402
 from megafp8.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from megafp8.checkpoint.convert_hf import training_args  # noqa: E402
+from megafp8.checkpoint.convert_hf import hf_to_megafp8, megafp8_to_hf, training_args  # noqa: E402
 from megafp8.checkpoint.fp8_export import dequantize_blockwise  # noqa: E402
 from megafp8.checkpoint.hf_files import model_config_from_hf_dict  # noqa: E402
 from megafp8.model import GPTModel  # noqa: E402
@@ -31,35 +31,41 @@ def _within_e4m3_error(back: torch.Tensor, weight: torch.Tensor, scale_inv: torc
     return bool(torch.all((back - weight).abs() <= weight.abs() * 2**-4 + scale * 2**-10))
 
 
-def _ids(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+def _ids(vocab: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(3))
 
 
-def _config(hf_dir: Path):
+def _config(hf_dir: Path, seq: int = SEQ):
     config = model_config_from_hf_dict(json.loads((hf_dir / "config.json").read_text()), "test")
-    config.seq_length = SEQ
+    config.seq_length = seq
     config.make_vocab_size_divisible_by = 16  # padded: 112 at TP=1, 128 at TP=2 (rows that must be cut)
     return config
 
 
-def _tp2_pp2_body(rank: int, world_size: int, root: str) -> None:
-    """Load the converted checkpoint into TP=2 x PP=2 stages, run the two stages, compare with HF; then save
-    the stages as a TP=2 x PP=2 checkpoint (the megafp8 -> HF direction starts from it)."""
-    root = Path(root)
-    config = _config(root / "hf")
+def tp2_pp2_body(rank: int, world_size: int, roots: list[str], seq: int = SEQ) -> None:
+    """For each root (a HF model in hf/, its conversion in m8/): load the converted checkpoint into TP=2 x PP=2
+    stages, run the two stages on ``seq`` tokens, compare with HF; then save the stages as a TP=2 x PP=2
+    checkpoint in saved_tp2pp2/ (the megafp8 -> HF direction starts from it)."""
     ps = ParallelState(world_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2).init_process_groups()
+    for root in roots:
+        _check_at_tp2_pp2(Path(root), ps, seq)
+
+
+def _check_at_tp2_pp2(root: Path, ps: ParallelState, seq: int) -> None:
+    rank = dist.get_rank()
+    config = _config(root / "hf", seq)
     first, last = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
     torch.manual_seed(100 + rank)  # a different init: every weight must come from the checkpoint
     stage = GPTModel(config, ps, pre_process=first, post_process=last, layer_numbers=[ps.coords.pp])
     loaded = load_checkpoint(root / "m8", model=stage, parallel_state=ps, args=training_args(config), finetune=True)
     assert loaded.iteration == 0
-    ids = _ids(config.vocab_size)
+    ids = _ids(config.vocab_size, seq)
     with torch.no_grad():
         if first:
             hidden = stage(ids)
             dist.send(hidden.contiguous(), global_rank(RankCoordinates(tp=ps.coords.tp, dp=0, pp=1), 2, 1))
         else:
-            hidden = torch.empty(SEQ, BATCH, config.hidden_size)
+            hidden = torch.empty(seq, BATCH, config.hidden_size)
             dist.recv(hidden, global_rank(RankCoordinates(tp=ps.coords.tp, dp=0, pp=0), 2, 1))
             logits = C.all_gather(stage(None, hidden_states=hidden), ps.tp_group, "tp_allgather", dim=-1)
             hf = transformers.LlamaForCausalLM.from_pretrained(root / "hf", attn_implementation="eager").eval()
@@ -77,19 +83,23 @@ def test_hf_to_megafp8_runs_at_tp2_pp2_and_back(tmp_path):
                      "--target-pipeline-parallel-size", 2)
     assert result.returncode == 0, result.stderr
     assert "--load" in result.stdout and "--num-query-groups 2" in result.stdout
-    run_distributed(_tp2_pp2_body, world_size=4, args=(str(tmp_path),), timeout_s=600)
-    # a checkpoint written at TP=2 x PP=2 -> HF (fp32) -> megafp8: bit-exact
-    assert convert("--load-format", "megafp8", "--save-format", "hf", "--load-dir", tmp_path / "saved_tp2pp2",
-                   "--save-dir", tmp_path / "hf_back", "--save-dtype", "fp32").returncode == 0
-    assert convert("--load-format", "hf", "--save-format", "megafp8", "--load-dir", tmp_path / "hf_back",
-                   "--save-dir", tmp_path / "m8_back").returncode == 0
-    saved, back = checkpoint_tensors(tmp_path / "saved_tp2pp2"), checkpoint_tensors(tmp_path / "m8_back")
+    run_distributed(tp2_pp2_body, world_size=4, args=([str(tmp_path)],), timeout_s=600)
+    assert_exported_back_bit_exact(tmp_path)
+
+
+def assert_exported_back_bit_exact(root: Path) -> None:
+    """The TP=2 x PP=2 checkpoint in saved_tp2pp2/ -> HF (fp32, hf_back/) -> megafp8: bit-exact; and hf_back/
+    equals the original hf/, tensor for tensor."""
+    # in this process (the other tests run the command line): two fewer interpreter start-ups per model
+    megafp8_to_hf(root / "saved_tp2pp2", root / "hf_back", save_format="hf", save_dtype="fp32", progress=False)
+    hf_to_megafp8(root / "hf_back", root / "m8_back", progress=False)
+    saved, back = checkpoint_tensors(root / "saved_tp2pp2"), checkpoint_tensors(root / "m8_back")
     assert sorted(saved) == sorted(back)
     for name in saved:
         assert saved[name].dtype == back[name].dtype and torch.equal(saved[name], back[name]), name
-    # and the HF output equals the original HF model, tensor for tensor (tied: no lm_head.weight on disk)
-    original = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_back").state_dict()
+    # (tied: no lm_head.weight on disk)
+    original = transformers.LlamaForCausalLM.from_pretrained(root / "hf").state_dict()
+    exported = transformers.LlamaForCausalLM.from_pretrained(root / "hf_back").state_dict()
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
 

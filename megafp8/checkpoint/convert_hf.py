@@ -27,6 +27,7 @@ from megafp8.checkpoint.save_load import _single_process_quiet, save_checkpoint
 from megafp8.checkpoint.sharded_tensor import ShardedChunks
 from megafp8.model.config import ModelConfig
 from megafp8.model.hf_mapping import _LAYER_RENAMES, fuse_qkv, hf_llama_config_kwargs, split_qkv
+from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.parallel_state import ParallelState
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -88,7 +89,17 @@ def training_args(config: ModelConfig) -> dict[str, Any]:
             "ffn_hidden_size": config.ffn_hidden_size, "num_attention_heads": config.num_attention_heads,
             "num_query_groups": config.num_query_groups, "max_position_embeddings": config.max_position_embeddings,
             "norm_epsilon": config.norm_eps, "rotary_base": config.rope_theta, "activation": "swiglu",
-            "untie_embeddings_and_output_weights": not config.tie_embeddings, "init_method_std": config.init_method_std}
+            "untie_embeddings_and_output_weights": not config.tie_embeddings, "init_method_std": config.init_method_std,
+            **rope_scaling_args(config)}
+
+
+def rope_scaling_args(config: ModelConfig) -> dict[str, Any]:
+    """Llama-3.1 RoPE scaling as training flags (Megatron-LM's --use-rope-scaling, --rope-scaling-factor and
+    megafp8's three others); nothing for unscaled RoPE, so those checkpoints and flag lines stay as before."""
+    if not config.use_rope_scaling:
+        return {}
+    return {"use_rope_scaling": True, **{f"rope_scaling_{field}": getattr(config, f"rope_scaling_{field}")
+                                         for field in Llama3RopeScaling.FIELDS}}
 
 
 def training_flags(config: ModelConfig) -> str:
@@ -212,7 +223,18 @@ def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> 
                        seq_length=min(args.get("seq_length") or 1, args["max_position_embeddings"]),
                        max_position_embeddings=args["max_position_embeddings"], norm_eps=args["norm_epsilon"],
                        rope_theta=args["rotary_base"], tie_embeddings=not args["untie_embeddings_and_output_weights"],
-                       init_method_std=args.get("init_method_std", 0.02))
+                       init_method_std=args.get("init_method_std", 0.02), **_rope_scaling_from_manifest(args, path))
+
+
+def _rope_scaling_from_manifest(args: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The ModelConfig's RoPE scaling fields from saved flags (a checkpoint from before them: unscaled)."""
+    if not args.get("use_rope_scaling"):
+        return {}
+    names = [f"rope_scaling_{field}" for field in Llama3RopeScaling.FIELDS]
+    missing = [name for name in names if name not in args]
+    if missing:
+        raise ConversionError(f"{path}: the manifest says --use-rope-scaling but lacks {missing}")
+    return {"use_rope_scaling": True, **{name: args[name] for name in names}}
 
 
 class _CheckpointReader:

@@ -20,12 +20,12 @@ import torch
 from megafp8.checkpoint.atomic import fsync_path
 from megafp8.checkpoint.errors import CheckpointError
 from megafp8.model.config import ModelConfig
-from megafp8.model.hf_mapping import model_config_from_hf
+from megafp8.model.hf_mapping import hf_rope_problems, model_config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 # config.json fields whose non-default value changes the math in a way megafp8's Llama does not implement.
 _UNSUPPORTED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
-                "rope_scaling": (None,), "sliding_window": (None,)}
+                "sliding_window": (None,)}
 _LLAMA_DEFAULTS = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.02,
                        max_position_embeddings=2048)
 
@@ -51,19 +51,20 @@ def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelCo
                               "(megafp8 converts Llama checkpoints: model_type 'llama')")
     problems = [f"{key}={config[key]!r}" for key, allowed in _UNSUPPORTED.items()
                 if key in config and config[key] not in allowed]
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_parameters.rope_type={rope['rope_type']!r}")
     heads = config.get("num_attention_heads")
     if config.get("head_dim") not in (None, config["hidden_size"] // heads):
         problems.append(f"head_dim={config['head_dim']} (megafp8 uses hidden_size / num_attention_heads)")
+    fields = SimpleNamespace(**{**_LLAMA_DEFAULTS, "num_key_value_heads": heads, **config})
+    try:
+        problems += hf_rope_problems(fields)
+    except (TypeError, ValueError) as e:  # e.g. a factor that is not a number
+        problems.append(f"rope_scaling/rope_parameters ({type(e).__name__}: {e})")
     if problems:
         raise ConversionError(f"{source}: unsupported config field(s) {', '.join(problems)}: megafp8's Llama has "
-                              "SiLU-gated MLPs, no biases, full attention and unscaled RoPE (Llama-3.1 rope_scaling "
-                              "is not implemented)")
-    fields = {**_LLAMA_DEFAULTS, "num_key_value_heads": heads, **config}
+                              "SiLU-gated MLPs, no biases, full attention and RoPE unscaled or with Llama-3.1's "
+                              "frequency scaling (rope_type 'llama3')")
     try:
-        return model_config_from_hf(SimpleNamespace(**fields))
+        return model_config_from_hf(fields)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ConversionError(f"{source}: cannot read the architecture ({type(e).__name__}: {e})") from None
 

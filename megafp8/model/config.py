@@ -7,9 +7,15 @@ from dataclasses import dataclass
 import torch
 
 from megafp8.model.recompute import recompute_errors
+from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.sharding import pad_vocab_size
 
 ACTIVATIONS = ("swiglu", "smooth_swiglu")
+
+
+def rope_scaling_flag(field: str) -> str:
+    """The training flag of a Llama3RopeScaling field: ``low_freq_factor`` -> ``--rope-scaling-low-freq-factor``."""
+    return "--rope-scaling-" + field.replace("_", "-")
 
 
 @dataclass
@@ -27,6 +33,13 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama-3.1 RoPE frequency scaling (megafp8.model.rotary.Llama3RopeScaling): Megatron-LM's
+    # --use-rope-scaling / --rope-scaling-factor, plus the three values Megatron hard-codes (1, 4, 8192).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     tie_embeddings: bool = False  # --untie-embeddings-and-output-weights is the Megatron flag's inverse
     init_method_std: float = 0.02
     # Output projections (attention linear_proj, MLP linear_fc2) use std / sqrt(2 * num_layers), as in
@@ -52,6 +65,10 @@ class ModelConfig:
         errors = recompute_errors(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
         if errors:
             raise ValueError("; ".join(errors))
+        if self.use_rope_scaling:
+            errors = self.rope_scaling.errors(rope_scaling_flag)
+            if errors:
+                raise ValueError("; ".join(errors))
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                              f"({self.max_position_embeddings})")
@@ -59,6 +76,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_scaling(self) -> Llama3RopeScaling | None:
+        if not self.use_rope_scaling:
+            return None
+        return Llama3RopeScaling(self.rope_scaling_factor, self.rope_scaling_low_freq_factor,
+                                 self.rope_scaling_high_freq_factor,
+                                 self.rope_scaling_original_max_position_embeddings)
 
     @property
     def output_init_std(self) -> float:

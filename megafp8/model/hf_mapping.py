@@ -17,7 +17,8 @@ output_layer.weight  [V_padded, h] (absent if tied)   lm_head.weight [V, h] (abs
 ``linear_qkv.weight`` viewed as ``[G, r + 2, d, h]`` (G KV heads, r = heads / G, head dim d): entry
 ``[g, :r]`` are q heads ``g*r .. g*r+r-1``, ``[g, r]`` is k head g, ``[g, r+1]`` is v head g. Both sides
 use the same rotate-half RoPE convention, so q/k need no permutation. Sharded checkpoints are first
-unsharded with ``megafp8.parallel.sharding``.
+unsharded with ``megafp8.parallel.sharding``. RoPE: ``rope_theta``, and Llama-3.1's ``rope_scaling``
+(``rope_type: "llama3"``) <-> ``use_rope_scaling`` / ``rope_scaling_*``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from megafp8.model.config import ModelConfig
+from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.sharding import resize_vocab_dim
 
 
@@ -105,19 +107,80 @@ def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
                 head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
                 rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, hidden_act="silu",
                 attention_bias=False, mlp_bias=False, tie_word_embeddings=config.tie_embeddings,
-                initializer_range=config.init_method_std)
+                initializer_range=config.init_method_std, **hf_rope_scaling_kwargs(config))
+
+
+def hf_rope_scaling_kwargs(config: ModelConfig) -> dict[str, Any]:
+    """``rope_scaling`` as Meta's Llama-3.1/3.2 config.json files spell it (read by transformers 4 and 5,
+    vLLM, SGLang), or nothing for unscaled RoPE."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return {}
+    return {"rope_scaling": {"rope_type": "llama3", **{field: getattr(scaling, field) for field in scaling.FIELDS}}}
+
+
+def hf_rope_parameters(hf_config: Any) -> tuple[str, dict[str, Any]]:
+    """(the config field it came from, the RoPE dict) of a HF config: ``rope_scaling`` (Meta's files,
+    transformers 4) wins over ``rope_parameters`` (transformers 5), as in transformers itself."""
+    for field in ("rope_scaling", "rope_parameters"):
+        value = getattr(hf_config, field, None)
+        if value:
+            return field, dict(value)
+    return "rope_parameters", {}
+
+
+def hf_rope_type(rope: Mapping[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))  # "type": the spelling before transformers 4.45
+
+
+_LLAMA3_REQUIRED = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def _llama3_scaling(rope: Mapping[str, Any], hf_config: Any) -> Llama3RopeScaling:
+    # transformers' rule: without original_max_position_embeddings the model's own length is the original.
+    original = rope.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+    return Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                             float(rope["high_freq_factor"]), int(original))
+
+
+def hf_rope_problems(hf_config: Any) -> list[str]:
+    """What in a HF config's RoPE megafp8 cannot reproduce, each naming its config.json field."""
+    field, rope = hf_rope_parameters(hf_config)
+    rope_type = hf_rope_type(rope)
+    if rope_type not in ("default", "llama3"):
+        return [f"{field}.rope_type={rope_type!r} (megafp8 implements unscaled RoPE and Llama-3.1's 'llama3')"]
+    problems = []
+    for source, value in ((f"{field}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+                          ("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))):
+        if value not in (None, 1, 1.0):
+            problems.append(f"{source}={value!r} (megafp8 rotates the whole head)")
+    if rope_type == "llama3":
+        missing = [key for key in _LLAMA3_REQUIRED if rope.get(key) is None]
+        if missing:
+            problems.append(f"{field} with rope_type 'llama3' lacks {', '.join(missing)}")
+        else:
+            problems += _llama3_scaling(rope, hf_config).errors(lambda key: f"{field}.{key}")
+    return problems
 
 
 def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overrides: Any) -> ModelConfig:
     """The ModelConfig of an HF ``LlamaConfig`` (attribute access, so a loaded config.json works too)."""
-    rope = getattr(hf_config, "rope_parameters", None) or {}
+    problems = hf_rope_problems(hf_config)
+    if problems:
+        raise ValueError("unsupported RoPE: " + "; ".join(problems))
+    _, rope = hf_rope_parameters(hf_config)
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    scaling = {}
+    if hf_rope_type(rope) == "llama3":
+        values = _llama3_scaling(rope, hf_config)
+        scaling = {"use_rope_scaling": True,
+                   **{f"rope_scaling_{field}": getattr(values, field) for field in values.FIELDS}}
     fields = dict(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
                   ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
                   num_query_groups=hf_config.num_key_value_heads, vocab_size=hf_config.vocab_size,
                   max_position_embeddings=hf_config.max_position_embeddings,
                   seq_length=seq_length or hf_config.max_position_embeddings, norm_eps=hf_config.rms_norm_eps,
                   rope_theta=theta, tie_embeddings=hf_config.tie_word_embeddings,
-                  init_method_std=hf_config.initializer_range)
+                  init_method_std=hf_config.initializer_range, **scaling)
     fields.update(overrides)
     return ModelConfig(**fields)

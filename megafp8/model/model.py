@@ -83,7 +83,8 @@ class GPTModel(nn.Module):
             self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, parallel_state,
                                                     init_method=init_method_normal(std),
                                                     params_dtype=config.params_dtype, perform_initialization=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                      scaling=config.rope_scaling)
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state) for i in layer_numbers})
         if post_process:

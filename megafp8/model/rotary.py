@@ -1,8 +1,62 @@
-"""Rotary position embeddings (RoPE) in the "rotate half" convention used by HF Llama checkpoints."""
+"""Rotary position embeddings (RoPE) in the "rotate half" convention used by HF Llama checkpoints, with
+Llama-3.1's frequency scaling (``rope_type: "llama3"``)."""
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1/3.2's RoPE frequency scaling (HF ``rope_scaling`` with ``rope_type: "llama3"``).
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their frequency,
+    those longer than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and
+    the band between is interpolated smoothly: the short-range (high-frequency) dims keep the resolution
+    the model was pretrained with while the long ones stretch to a ``factor`` times longer context.
+    Defaults are Llama-3.1-8B's (Megatron-LM's hard-coded values); Llama-3.2-1B/3B use factor 32.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+    def errors(self, name: Callable[[str], str]) -> list[str]:
+        """What makes these values unusable, each message naming its field as ``name(field)`` spells it
+        (a flag for the training entry, a config.json key for the converter)."""
+        problems = [f"{name(field)} must be positive, got {getattr(self, field)}"
+                    for field in self.FIELDS if not getattr(self, field) > 0]
+        if not problems and self.high_freq_factor <= self.low_freq_factor:
+            # The smooth band's interpolation divides by their difference.
+            problems.append(f"{name('high_freq_factor')} ({self.high_freq_factor}) must exceed "
+                            f"{name('low_freq_factor')} ({self.low_freq_factor})")
+        return problems
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies, in the same fp32 operations as transformers' and Megatron-Core's
+        ``llama3`` code (so a converted checkpoint sees bit-identical angles)."""
+        low_freq_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_freq_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> torch.Tensor:
+    """``theta^(-2i/d)`` for ``i < d/2`` in fp32, scaled when ``scaling`` is given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return inv_freq if scaling is None else scaling.apply(inv_freq)
 
 
 class RotaryEmbedding(nn.Module):
@@ -10,12 +64,12 @@ class RotaryEmbedding(nn.Module):
 
     Frequencies ``theta^(-2i/d)`` pair dim ``i`` with dim ``i + d/2`` (not adjacent dims as in Meta's
     original code): HF Llama weights are permuted for exactly this pairing, so they load unchanged.
-    Llama-3.1 style frequency scaling (``rope_scaling``) is not implemented.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)  # (max_positions, head_dim)
         # Not persistent: derived from the config, so checkpoints need not carry it.

@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from megafp8.fp8.recipe import FORMATS, SCALINGS
-from megafp8.model.config import ACTIVATIONS
+from megafp8.model.config import ACTIVATIONS, rope_scaling_flag
 from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
+from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -57,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the embedding is padded to a multiple of this x TP (padding rows are zero and never saved)")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="RMSNorm epsilon")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta (Llama 3: 500000)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama-3.1 RoPE frequency scaling (HF rope_type llama3): long wavelengths divided by "
+                        "--rope-scaling-factor, short ones kept, a smooth band between")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling: context extension factor (Llama-3.1: 8, Llama-3.2 1B/3B: 32)")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="with --use-rope-scaling: wavelengths over original length / this are scaled fully")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="with --use-rope-scaling: wavelengths under original length / this are kept")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="with --use-rope-scaling: the context length the model was pretrained at (Megatron-LM "
+                        "hard-codes these three values: 1, 4, 8192)")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="std of the normal initialisation (output projections scaled by 1/sqrt(2 layers)); the "
                         "same values at every layout, drawn per (seed, parameter name)")
@@ -355,6 +368,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     if args.pipeline_schedule != "1f1b" and args.pipeline_model_parallel_size == 1:
         errors.append(f"--pipeline-schedule {args.pipeline_schedule} needs --pipeline-model-parallel-size > 1")
     errors += recompute_errors(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    errors += _rope_scaling_errors(args)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.tokenizer_type != "NullTokenizer" and args.data_path and args.tokenizer_model is None:
@@ -382,6 +396,15 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors += _schedule_errors(args)
     errors += optional_package_errors(args)
     return errors
+
+
+def _rope_scaling_errors(args: argparse.Namespace) -> list[str]:
+    """Unusable --rope-scaling-* values, or ones set without --use-rope-scaling (they would be ignored)."""
+    scaling = Llama3RopeScaling(**{field: getattr(args, f"rope_scaling_{field}") for field in Llama3RopeScaling.FIELDS})
+    if args.use_rope_scaling:
+        return scaling.errors(rope_scaling_flag)
+    return [f"{rope_scaling_flag(field)} {getattr(scaling, field)} needs --use-rope-scaling"
+            for field in Llama3RopeScaling.FIELDS if getattr(scaling, field) != getattr(Llama3RopeScaling(), field)]
 
 
 def _schedule_errors(args: argparse.Namespace) -> list[str]:
