@@ -23,6 +23,7 @@ from distributed_testing import run_distributed
 from optim_testing import build, make_ddp, max_rel_diff, tiny_config, train_step
 from megafp8.fp8 import Fp8Recipe
 from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV
+from megafp8.fp8.telemetry import Fp8TensorStats
 from megafp8.optim import DistributedOptimizer
 from megafp8.optim.fp8_param_cast import num_scale_groups
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
@@ -47,7 +48,7 @@ def _switch(model, guard) -> None:
     """The guard's own decision: TARGET reports 50% saturated inputs for `patience` checks in a row."""
     target = dict(model.named_modules())[TARGET]
     for _ in range(guard.patience):
-        target.fp8_telemetry = {"input": {"saturated": torch.tensor(0.5)}}
+        target.fp8_telemetry = {"input": Fp8TensorStats(torch.ones(()), torch.ones(()), torch.tensor([8, 0]), 16)}
         guard.check(model)
     assert target.runs_high_precision and guard.switched == {TARGET}
 

@@ -132,12 +132,12 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
         scale = overflowing_scale(x2d, scale, recipe.dtype(role), gran, recipe.power_of_2_scale,
                                   layer.forced_overflow_factor)
     q = quantize(x2d, recipe.dtype(role), gran, power_of_2_scale=recipe.power_of_2_scale, scale=scale,
-                 transpose=transpose)
+                 transpose=transpose, stats=layer.telemetry_enabled)
     if state is not None and observe:
         state.observe(q.amax)
     fp8 = Float8Tensor.from_quantized(q, gran)
     if layer.telemetry_enabled:
-        record_fp8_stats(layer, role, x2d, fp8, q.amax)
+        record_fp8_stats(layer, role, fp8, q.counts, q.amax)
     return fp8
 
 

@@ -1,74 +1,56 @@
 """FP8 telemetry: per tensor amax, scale, fraction saturated and fraction flushed to zero; and a guard
 that moves a persistently saturating layer to high precision.
 
-Off by default; the training loop turns it on for the iterations it logs (every --log-interval), so the
-extra elementwise pass over each quantized tensor is paid only on those. That pass runs over row chunks of
-at most TELEMETRY_CHUNK_ELEMENTS elements, so its fp32 temporaries stay bounded (16 MiB each) instead of
-activation-sized. Values stay on the device until collect_fp8_telemetry() reads them, once per logged iteration.
+Off by default; the training loop turns it on when it logs telemetry (every --log-interval) and, for the
+guard, every step. It costs no pass over the tensor: the quantizer counts saturated and flushed elements in
+the cast itself (quantize(stats=True): two atomics per tile on GPU), and record_fp8_stats only keeps the
+quantizer's own device tensors (0 ops). Values stay on the device until collect_fp8_telemetry() reads
+them, once per logged iteration; the guard keeps its strikes on the device too (see SaturationGuard).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from megafp8_kernels import BLOCK, Granularity, expand_scale, fp8_format
-
-TELEMETRY_CHUNK_ELEMENTS = 1 << 22
+from megafp8_kernels import fp8_format
 
 
 def saturation_threshold(fp8_dtype: torch.dtype) -> float:
     """The scaled magnitude above which a value is clipped rather than rounded: FP8_MAX plus half an ulp
     at FP8_MAX (E4M3: 464, E5M2: 61440). Anything below rounds to a representable value honestly."""
-    fmt = fp8_format(fp8_dtype)
-    top_exponent = math.frexp(fmt.max)[1] - 1
-    return fmt.max + 0.5 * 2.0 ** (top_exponent - fmt.mantissa_bits)
+    return fp8_format(fp8_dtype).saturation_threshold
 
 
-def _row_chunks(rows: int, cols: int, gran: Granularity):
-    """(start, stop) row ranges of at most TELEMETRY_CHUNK_ELEMENTS elements; whole 128-row blocks for 128x128."""
-    step = max(1, TELEMETRY_CHUNK_ELEMENTS // max(cols, 1))
-    if gran is Granularity.BLOCK_128X128:
-        step = max(BLOCK, step // BLOCK * BLOCK)
-    for start in range(0, rows, step):
-        yield start, min(start + step, rows)
+class Fp8TensorStats(NamedTuple):
+    """One quantization's telemetry as the quantizer returned it; the statistics are derived when read.
+
+    counts: int64 [saturated, flushed] of the row-major cast (Fp8Quantized.counts): saturated = |x| * scale
+    past saturation_threshold (a group's own amax maps to FP8_MAX and is not clipped), flushed = nonzero x
+    that became +-0."""
+
+    amax: torch.Tensor  # per scaling group
+    scale_inv: torch.Tensor  # per scaling group
+    counts: torch.Tensor
+    numel: int
+
+    def values(self) -> dict[str, torch.Tensor]:
+        fractions = self.counts / self.numel  # float32, as the guard's
+        return {
+            "amax": self.amax.float().max(),
+            "scale": 1.0 / self.scale_inv.float().min(),  # the largest scale of any group: tensorwise = the scale
+            "saturated": fractions[0],
+            "flushed_to_zero": fractions[1],
+        }
 
 
-def _chunk_scale_inv(scale_inv: torch.Tensor, start: int, stop: int, cols: int, gran: Granularity) -> torch.Tensor:
-    """The dequantization scales of rows start:stop, broadcastable against those rows."""
-    if gran is Granularity.TENSORWISE:
-        return scale_inv.float()
-    if gran is Granularity.ROWWISE:
-        return scale_inv[start:stop].float()
-    if gran is Granularity.BLOCK_128X128:
-        return expand_scale(scale_inv[start // BLOCK: -(-stop // BLOCK)].float(), stop - start, cols, gran)
-    return expand_scale(scale_inv[start:stop].float(), stop - start, cols, gran)
-
-
-@torch.no_grad()
-def record_fp8_stats(layer: nn.Module, role: str, x_hp: torch.Tensor, fp8, amax: torch.Tensor) -> None:
-    """Store this quantization's statistics on `layer` under `role` (input, weight, grad_output)."""
+def record_fp8_stats(layer: nn.Module, role: str, fp8, counts: torch.Tensor, amax: torch.Tensor) -> None:
+    """Keep this quantization's statistics on `layer` under `role` (input, weight, grad_output): the tensors
+    the quantizer returned with stats=True, no op of its own."""
     data, scale_inv = fp8.row_major()
-    rows, cols = data.shape
-    threshold = saturation_threshold(fp8.fp8_dtype)
-    saturated = torch.zeros((), dtype=torch.int64, device=data.device)
-    flushed = torch.zeros_like(saturated)
-    for start, stop in _row_chunks(rows, cols, fp8.granularity):
-        x = x_hp[start:stop]
-        # Saturated: |x| * scale past FP8_MAX by more than rounding (a group's own amax maps to FP8_MAX and
-        # is not clipped). Flushed: nonzero but quantized to +-0 (read on the FP8 bytes, sign bit masked).
-        clip_level = threshold * _chunk_scale_inv(scale_inv, start, stop, cols, fp8.granularity)
-        saturated += (x.float().abs() > clip_level).sum()
-        flushed += ((x != 0) & ((data[start:stop].view(torch.uint8) & 0x7F) == 0)).sum()
-    numel = max(rows * cols, 1)
-    layer.fp8_telemetry[role] = {
-        "amax": amax.float().max(),
-        "scale": 1.0 / scale_inv.float().min(),  # the largest scale of any group: tensorwise = the scale
-        "saturated": (saturated / numel).float(),
-        "flushed_to_zero": (flushed / numel).float(),
-    }
+    layer.fp8_telemetry[role] = Fp8TensorStats(amax, scale_inv, counts, data.numel())
 
 
 def enable_fp8_telemetry(model: nn.Module, enabled: bool = True) -> None:
@@ -82,7 +64,7 @@ def collect_fp8_telemetry(model: nn.Module) -> dict[str, float]:
     keys, values = [], []
     for name, module in model.named_modules():
         for role, stats in getattr(module, "fp8_telemetry", {}).items():
-            for stat, value in stats.items():
+            for stat, value in stats.values().items():
                 keys.append(f"fp8/{name}/{role}/{stat}")
                 values.append(value.reshape(()))
     if not values:
@@ -96,6 +78,13 @@ class SaturationGuard:
     same switches as records ({"iteration", "layer", "saturated"}) until take_events() drains them for
     metrics.jsonl. A switched layer's telemetry is dropped: it quantizes nothing any more.
 
+    No host read per step: check() runs every step on the device (the layers' saturated counts, the MAX
+    all-reduce, strikes += 1 or reset, and the iteration and fraction at which a layer first reached
+    `patience`: the same strikes, hence the same decisions, as a check that read every step). The host reads
+    them only every `read_interval` iterations (the trainer passes --log-interval, when it reads its own
+    counters) and when state_dict() is taken: a layer that tripped in between is switched then, and its event
+    names the iteration it tripped at. read_interval=1 switches at the very check that trips, as before.
+
     all_reduce_max: in-place MAX over the ranks that share the layers (the TP x DP group). Every rank must
     take the same decision, or ranks would disagree on the precision (and the collectives) of a layer.
     state_dict() / load_state_dict(state, model) carry the strikes and the switched layers, so a resumed
@@ -106,44 +95,109 @@ class SaturationGuard:
     # grow during LR warm-up (measured in the 500-step parity run, docs/parity), a transient that should not
     # cost a layer its FP8 for the rest of the run; persistent saturation above 1% is a real problem.
     def __init__(self, threshold: float = 1e-2, patience: int = 3,
-                 all_reduce_max: Callable[[torch.Tensor], None] | None = None):
-        if not 0 <= threshold < 1 or patience < 1:
-            raise ValueError(f"saturation guard needs 0 <= threshold < 1 and patience >= 1, got {threshold}, {patience}")
-        self.threshold, self.patience = threshold, patience
+                 all_reduce_max: Callable[[torch.Tensor], None] | None = None, read_interval: int = 1):
+        if not 0 <= threshold < 1 or patience < 1 or read_interval < 1:
+            raise ValueError("saturation guard needs 0 <= threshold < 1, patience >= 1 and read_interval >= 1, got "
+                             f"{threshold}, {patience}, {read_interval}")
+        self.threshold, self.patience, self.read_interval = threshold, patience, read_interval
         self.all_reduce_max = all_reduce_max
         self.strikes: dict[str, int] = {}
         self.switched: set[str] = set()
         self.events: list[dict] = []
+        self._messages: list[str] = []
+        # Device state of the layers checked since the last read (_start): their (name, module), each stat's
+        # layer index and numel, and per layer strikes / tripped / the iteration and fraction it tripped at.
+        self._start([], [])
 
     def check(self, model: nn.Module, iteration: int | None = None) -> list[str]:
+        layers, stats = self._checked(model)
+        if ([n for n, _ in layers], [i for i, _ in stats]) != self._structure:
+            self._read()  # the checked layers changed (the first check, a switch): settle what the device holds
+            layers, stats = self._checked(model)  # without any layer that read switched
+            self._start(layers, stats)
+        if stats:
+            numels = [s.numel for _, s in stats]
+            if numels != self._numels:  # another batch shape: a host->device copy, no read
+                self._numels = numels
+                self._device["numels"] = torch.tensor(numels, device=stats[0][1].counts.device)
+            self._strike(torch.stack([s.counts for _, s in stats]), -1 if iteration is None else iteration)
+        if iteration is None or iteration % self.read_interval == 0:
+            self._read(iteration)
+        messages, self._messages = self._messages, []
+        return messages
+
+    @staticmethod
+    def _checked(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[int, Fp8TensorStats]]]:
+        """The layers still in FP8 with statistics, and (layer index, stats) of each of their tensors."""
         layers = [(name, module) for name, module in model.named_modules()
                   if getattr(module, "fp8_telemetry", None) and not module.runs_high_precision]
-        if not layers:
-            return []
-        worst = torch.stack([torch.stack([s["saturated"] for s in m.fp8_telemetry.values()]).max() for _, m in layers])
+        return layers, [(i, s) for i, (_, module) in enumerate(layers) for s in module.fp8_telemetry.values()]
+
+    def _start(self, layers: list[tuple[str, nn.Module]], stats: list) -> None:
+        self._layers, self._device, self._numels = layers, {}, None
+        self._structure = ([n for n, _ in layers], [i for i, _ in stats])
+        if not stats:
+            return
+        device = stats[0][1].counts.device
+        names = [name for name, _ in layers]
+        # Host->device copies once per change of the checked layers, not per step.
+        self._device = dict(
+            layer_of_stat=torch.tensor([i for i, _ in stats], device=device),
+            strikes=torch.tensor([self.strikes.get(n, 0) for n in names], device=device),
+            tripped=torch.zeros(len(names), dtype=torch.bool, device=device),
+            tripped_at=torch.zeros(len(names), dtype=torch.int64, device=device),
+            tripped_saturated=torch.zeros(len(names), dtype=torch.float32, device=device))
+
+    def _strike(self, counts: torch.Tensor, iteration: int) -> None:
+        """One check on the device: a constant number of ops whatever the number of layers."""
+        d = self._device
+        fractions = counts[:, 0] / d["numels"]  # float32, as telemetry reports it
+        worst = fractions.new_zeros(len(self._layers)).scatter_reduce_(0, d["layer_of_stat"], fractions, "amax")
         if self.all_reduce_max is not None:
             self.all_reduce_max(worst)
-        messages = []
-        for (name, module), fraction in zip(layers, worst.tolist()):
-            self.strikes[name] = self.strikes.get(name, 0) + 1 if fraction > self.threshold else 0
-            if self.strikes[name] >= self.patience:
-                module.guard_high_precision = True
-                module.fp8_telemetry.clear()
-                self.switched.add(name)
-                self.events.append({"iteration": iteration, "layer": name, "saturated": fraction})
-                at = f" at iteration {iteration}" if iteration is not None else ""
-                messages.append(f"fp8 guard: {name or 'model'} saturated {fraction:.2%} > {self.threshold:.2%} for "
-                                f"{self.patience} checks{at}: switched to high precision")
-        return messages
+        # Compared in fp64 with the threshold, as the float32 fraction read to a Python float was.
+        strikes = torch.where(worst.double() > self.threshold, d["strikes"] + 1, 0)
+        d["strikes"] = torch.where(d["tripped"], d["strikes"], strikes)  # a tripped layer's strikes stay put
+        newly = ~d["tripped"] & (d["strikes"] >= self.patience)
+        d["tripped_at"] = torch.where(newly, iteration, d["tripped_at"])
+        d["tripped_saturated"] = torch.where(newly, worst, d["tripped_saturated"])
+        d["tripped"] = d["tripped"] | newly
+
+    def _read(self, iteration: int | None = None) -> None:
+        """The one host read: fold the device strikes into `strikes` and switch the layers that tripped."""
+        if not self._device:
+            return
+        d = self._device
+        packed = torch.stack([d["strikes"].double(), d["tripped"].double(), d["tripped_at"].double(),
+                              d["tripped_saturated"].double()]).tolist()
+        switched = False
+        for (name, module), strikes, tripped, tripped_at, fraction in zip(self._layers, *packed):
+            self.strikes[name] = int(strikes)
+            if not tripped:
+                continue
+            module.guard_high_precision = True
+            module.fp8_telemetry.clear()
+            self.switched.add(name)
+            switched = True
+            at = int(tripped_at)
+            self.events.append({"iteration": at if at >= 0 else iteration, "layer": name, "saturated": fraction})
+            when = f" at iteration {at}" if at >= 0 else ""
+            later = f" (applied at iteration {iteration})" if iteration is not None and 0 <= at < iteration else ""
+            self._messages.append(f"fp8 guard: {name or 'model'} saturated {fraction:.2%} > {self.threshold:.2%} for "
+                                  f"{self.patience} checks{when}: switched to high precision{later}")
+        if switched:  # the next check starts afresh from the host strikes, without the switched layers
+            self._start([], [])
 
     def take_events(self) -> list[dict]:
         events, self.events = self.events, []
         return events
 
     def state_dict(self) -> dict:
+        self._read()  # a checkpoint is a read point: a layer that tripped since the last read switches now
         return {"strikes": dict(self.strikes), "switched": sorted(self.switched)}
 
     def load_state_dict(self, state: dict, model: nn.Module) -> None:
+        self._start([], [])
         self.strikes = dict(state.get("strikes", {}))
         modules = dict(model.named_modules())
         for name in state.get("switched", []):

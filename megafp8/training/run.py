@@ -104,7 +104,8 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
     fp8 = Fp8Recipe.from_args(args) is not None
     guard = None
     if fp8 and args.fp8_saturation_guard:
-        guard = saturation_guard(parallel_state, args.fp8_saturation_guard_threshold, args.fp8_saturation_guard_patience)
+        guard = saturation_guard(parallel_state, args.fp8_saturation_guard_threshold, args.fp8_saturation_guard_patience,
+                                 read_interval=args.log_interval)
     checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
     progress = None
     if args.load:

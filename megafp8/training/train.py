@@ -103,11 +103,13 @@ def _on_any_rank(value: bool) -> bool:
     return bool(flag.item())
 
 
-def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3) -> SaturationGuard:
-    """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x DP ranks."""
+def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3,
+                     read_interval: int = 1) -> SaturationGuard:
+    """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x DP ranks; its
+    strikes are read on the host every `read_interval` iterations (--log-interval) and at saves."""
     def all_reduce_max(tensor: torch.Tensor) -> None:
         C.all_reduce(tensor, parallel_state.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
-    return SaturationGuard(threshold, patience, all_reduce_max=all_reduce_max)
+    return SaturationGuard(threshold, patience, all_reduce_max=all_reduce_max, read_interval=read_interval)
 
 
 class Trainer:
