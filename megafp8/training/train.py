@@ -205,7 +205,7 @@ class Trainer:
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
                     self._log_validation(self.evaluate())
-                stop_now = self._must_stop(stop, start_time) or (
+                stop_now = (self._stop_decision_due() and self._must_stop(stop, start_time)) or (
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
@@ -235,9 +235,22 @@ class Trainer:
         self._new_nan.zero_()
         return packed[2:]
 
+    def _stop_decision_due(self) -> bool:
+        """Whether the ranks agree on stopping after this iteration. One process decides every iteration (nothing
+        to agree on, no collective). Several decide at log, evaluation and save iterations only: the agreement is
+        an all-reduce read on the host, and those iterations read the host anyway, so the others run without a
+        host sync. A signal or the time limit therefore stops the run at the next such iteration, the same one
+        on every rank (keep --log-interval iterations shorter than the scheduler's grace period)."""
+        if self.ps.world_size == 1:
+            return True
+        args, iteration = self.args, self.progress.iteration
+        return any(interval and iteration % interval == 0 for interval in (
+            args.log_interval, args.save_interval if self.checkpointer is not None else None,
+            args.eval_interval if self.valid_batches is not None and args.eval_iters > 0 else None))
+
     def _must_stop(self, stop: StopSignal, start_time: float) -> bool:
         """A signal or --exit-duration-in-mins on any rank stops every rank after the same iteration (all
-        must save it): one MAX all-reduce of the local verdict."""
+        must save it): one MAX all-reduce of the local verdict, at the iterations `_stop_decision_due` names."""
         limit = self.args.exit_duration_in_mins
         out_of_time = limit is not None and time.monotonic() - start_time > 60 * limit
         return _on_any_rank(stop.requested or out_of_time)
