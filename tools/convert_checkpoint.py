@@ -1,4 +1,4 @@
-"""Convert checkpoints: HF Llama <-> megafp8, Megatron-LM -> megafp8, megafp8 -> block-FP8 HF (docs/conversion.md)."""
+"""Convert checkpoints: HF Llama <-> megafp8, Megatron-LM <-> megafp8, megafp8 -> block-FP8 HF (docs/conversion.md)."""
 from __future__ import annotations
 
 import argparse
@@ -51,13 +51,17 @@ def check_load_dir(load_dir: str, load_format: str, iteration: int | None) -> No
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--load-format", required=True, choices=["hf", "megafp8", "megatron"])
-    p.add_argument("--save-format", required=True, choices=["megafp8", "hf", "hf-fp8"])
+    p.add_argument("--save-format", required=True, choices=["megafp8", "hf", "hf-fp8", "megatron"])
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="must not exist (or be empty); written atomically")
     p.add_argument("--load-iteration", type=int, default=None, help="megafp8/megatron: default the tracker's")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1,
-                   help="hf->megafp8: checked to divide the model (the checkpoint reshards on load at any TP)")
+                   help="->megafp8: checked to divide the model (the checkpoint reshards on load at any TP); "
+                   "megafp8->megatron: the TP of the rank files written")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="as above, for PP")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                   help="megafp8->megatron: pad the vocab to a multiple of this x TP (Megatron-LM's flag; default the "
+                   "run's saved value, else 128); the Megatron-LM run must pass the same")
     p.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16", help="megafp8->hf")
     p.add_argument("--max-shard-size", default="5GB", help="megafp8->hf: start a new safetensors file past this")
     p.add_argument("--no-progress", action="store_true")
@@ -89,9 +93,19 @@ def main(argv: list[str] | None = None) -> int:
                                          target_pp=args.target_pipeline_parallel_size, progress=not args.no_progress)
             print(f"wrote {args.save_dir} (iteration 0). Train from it with --load {args.save_dir} --finetune "
                   f"{training_flags(config)} (vocab {config.vocab_size})")
+        elif args.load_format == "megafp8" and args.save_format == "megatron":
+            from megafp8.checkpoint.export_megatron import finetune_flags, megafp8_to_megatron  # noqa: PLC0415
+            saved = megafp8_to_megatron(args.load_dir, args.save_dir, target_tp=args.target_tensor_parallel_size,
+                                        target_pp=args.target_pipeline_parallel_size,
+                                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                        iteration=args.load_iteration, progress=not args.no_progress)
+            print(f"wrote {args.save_dir} (iteration {saved.iteration}, padded vocab {saved.padded_vocab_size}). "
+                  f"Train from it in Megatron-LM with:\n  pretrain_gpt.py --load {args.save_dir} --finetune "
+                  f"{finetune_flags(saved)} --tokenizer-... (vocab {saved.vocab_size})")
         else:
             raise CheckpointError(f"--load-format {args.load_format} --save-format {args.save_format} is not a "
-                                  "supported pair: hf->megafp8, megatron->megafp8, megafp8->hf, megafp8->hf-fp8")
+                                  "supported pair: hf->megafp8, megatron->megafp8, megafp8->hf, megafp8->hf-fp8, "
+                                  "megafp8->megatron")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
