@@ -197,9 +197,11 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
     x = torch.randn(256, 384).to(torch.bfloat16)
     with CompileRecorder() as rec:
         for gran in ("tensorwise", "rowwise", "block_1x128", "block_128x128"):
-            for transpose in (False, True):
-                Q.quantize_triton(x, torch.float8_e4m3fn, gran, transpose=transpose)
-        Q.quantize_triton(x, torch.float8_e4m3fn, "tensorwise", scale=torch.ones(()), transpose=True)
+            # stats: the telemetry counts' atomics; with the transposed copy, the most registers of a cast
+            for transpose, stats in ((False, False), (True, False), (True, True)):
+                Q.quantize_triton(x, torch.float8_e4m3fn, gran, transpose=transpose, stats=stats)
+        for stats in (False, True):
+            Q.quantize_triton(x, torch.float8_e4m3fn, "tensorwise", scale=torch.ones(()), transpose=True, stats=stats)
     seen = set()
     for fn_name, kernel in rec.kernels:
         key = (fn_name, kernel.hash)
