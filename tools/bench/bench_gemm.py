@@ -7,6 +7,8 @@ GPU (the real measurement; results go into docs/benchmarks.md with date, GPU, ve
     python tools/bench/bench_gemm.py
 CPU smoke run (reference path, small sizes; exercises the script in CI, its numbers mean little):
     python tools/bench/bench_gemm.py --quick
+wgrad only (Triton's accumulate into the fp32 main_grad vs torch._scaled_mm then main_grad.add_):
+    python tools/bench/bench_gemm.py --wgrad [--quick]
 
 Times are medians of repeated runs after warm-up (CUDA events via triton.testing.do_bench on GPU).
 GB/s counts the fewest bytes an op must move: each input read once, each output written once.
@@ -28,6 +30,9 @@ from megafp8_kernels import E4M3, fp8_gemm, quantize
 GPU_SQUARE = [2048, 4096, 8192]
 GPU_LLAMA8B = [(8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (8192, 6144, 4096)]  # (M, N, K)
 CPU_QUICK = [(128, 128, 128), (256, 256, 256)]
+# wgrad dW (out, in) = dY^T (out, tokens) @ X (tokens, in), as GEMM (M, N, K) = (out, in, tokens): Llama-3-8B's
+# projections at 8192 tokens per micro-batch and TP 1.
+GPU_WGRAD = [(4096, 4096, 8192), (14336, 4096, 8192), (4096, 14336, 8192), (6144, 4096, 8192)]
 SCALED_MM_CHOICES = ("tensorwise", "rowwise")  # the modes dispatch may send to torch._scaled_mm
 
 
@@ -103,6 +108,56 @@ def _scaled_mm_recommendation(rows: list[dict], triton_label: str) -> str:
     return "\n".join(lines)
 
 
+def _wgrad_cases(M: int, N: int, K: int, device: str, fp8_backend: str):
+    """(name -> callable adding one wgrad product into an fp32 main_grad (M, N), that main_grad): the Triton
+    kernel's fused accumulate (what the FP8 layers run) against torch._scaled_mm into a bf16 or fp32
+    temporary then add_."""
+    g = torch.Generator(device=device).manual_seed(1)
+    dy_t = torch.randn(M, K, device=device, generator=g)  # dY^T: K-major over tokens, as the layer's cast+transpose gives
+    x_t = torch.randn(N, K, device=device, generator=g)
+    main_grad = torch.zeros(M, N, device=device)
+    cases = {}
+    for mode in SCALED_MM_CHOICES:
+        qa, qb = quantize(dy_t, E4M3.dtype, mode), quantize(x_t, E4M3.dtype, mode)
+        cases[f"megafp8 {fp8_backend} {mode} accumulate into fp32"] = (
+            lambda qa=qa, qb=qb: fp8_gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, out=main_grad,
+                                          accumulate=True, backend=fp8_backend))
+        if mode == "tensorwise":
+            sa, sb = qa.scale_inv.reshape(()), qb.scale_inv.reshape(())
+        else:
+            sa, sb = qa.scale_inv.reshape(-1, 1).contiguous(), qb.scale_inv.reshape(1, -1).contiguous()
+        for out_dtype in ((torch.bfloat16, torch.float32) if mode == "tensorwise" else (torch.bfloat16,)):
+            def scaled_mm_add(qa=qa, qb=qb, sa=sa, sb=sb, out_dtype=out_dtype):
+                main_grad.add_(torch._scaled_mm(qa.data, qb.data.t(), sa, sb, out_dtype=out_dtype))
+            try:
+                scaled_mm_add()
+            except (RuntimeError, NotImplementedError) as err:  # older torch or unsupported device/dtype
+                print(f"# torch._scaled_mm {mode} {out_dtype} skipped: {err}".splitlines()[0], file=sys.stderr)
+                continue
+            cases[f"torch._scaled_mm {mode} {str(out_dtype).removeprefix('torch.')} + add_"] = scaled_mm_add
+    return cases, main_grad
+
+
+def _wgrad_summary(rows: list[dict], triton_label: str) -> str:
+    """Per _scaled_mm variant, the geometric-mean time ratio (Triton accumulate) / (_scaled_mm + add_)."""
+    lines = []
+    wgrad = [r for r in rows if r["kind"] == "wgrad"]
+    for name in sorted({r["name"] for r in wgrad if r["name"].startswith("torch._scaled_mm")}):
+        mode = name.split()[1]
+        ratios = []
+        for shape in {(r["M"], r["N"], r["K"]) for r in wgrad}:
+            times = {r["name"]: r["ms"] for r in wgrad if (r["M"], r["N"], r["K"]) == shape}
+            ours = times.get(f"megafp8 {triton_label} {mode} accumulate into fp32")
+            if ours and times.get(name):
+                ratios.append(ours / times[name])
+        if ratios:
+            lines.append(f"# wgrad {mode}: {triton_label} accumulate time / ({name}) time = "
+                         f"{statistics.geometric_mean(ratios):.2f} (geometric mean of {len(ratios)} shapes; > 1: "
+                         f"_scaled_mm + add_ is faster)")
+    lines.append("# wgrad routing is unchanged by this script: the FP8 layers accumulate through the Triton kernel")
+    return "\n".join(lines)
+
+
 def _quantize_cases(M: int, K: int, device: str, fp8_backend: str):
     """name -> (callable, minimal bytes moved). Input in bf16 on GPU (what a training step feeds), fp32 on CPU."""
     x = torch.randn(M, K, device=device).to(torch.bfloat16 if device == "cuda" else torch.float32)
@@ -118,6 +173,8 @@ def _quantize_cases(M: int, K: int, device: str, fp8_backend: str):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke run on small sizes (reference kernels)")
+    parser.add_argument("--wgrad", action="store_true",
+                        help="only wgrad: Triton accumulate into fp32 main_grad vs torch._scaled_mm + add_")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
 
@@ -127,6 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     hw = torch.cuda.get_device_name() if device == "cuda" else f"CPU {platform.processor() or platform.machine()}"
     print(f"# device: {hw} | torch {torch.__version__} | fp8 kernels: {fp8_backend}")
     rows = []
+    if args.wgrad:
+        print("\n| M | N | K | wgrad into fp32 main_grad | ms | TFLOP/s |\n|---|---|---|---|---|---|")
+        for M, N, K in GPU_WGRAD if device == "cuda" else CPU_QUICK:
+            for name, fn in _wgrad_cases(M, N, K, device, fp8_backend)[0].items():
+                ms = _time_ms(fn, device)
+                rows.append({"kind": "wgrad", "M": M, "N": N, "K": K, "name": name, "ms": ms,
+                             "tflops": 2 * M * N * K / ms / 1e9})
+                print(f"| {M} | {N} | {K} | {name} | {ms:.3f} | {rows[-1]['tflops']:.1f} |")
+        print()
+        print(_wgrad_summary(rows, fp8_backend))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": hw, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        return 0
 
     print("\n| M | N | K | GEMM | ms | TFLOP/s |\n|---|---|---|---|---|---|")
     for M, N, K in shapes:
