@@ -4,12 +4,14 @@ Megatron-LM's ``save_checkpoint`` (legacy ``torch`` format) writes per rank ``{"
 dict, "optimizer", "opt_param_scheduler", "rng_state", "iteration", "checkpoint_version", ...}``; its ``args``
 hold Megatron enums, its RNG state numpy arrays. ``foreign_class`` makes a class pickle under a module name that
 does not exist here (or a name the installed module does not have), as a file from another Megatron version does.
+``save_megatron_dist_checkpoints`` has Megatron-Core itself write ``torch_dist`` checkpoints (and its logits).
 """
 from __future__ import annotations
 
 import argparse
 import enum
 import random
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from data_fixtures import REPO_ROOT
 
 ARGS = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
             group_query_attention=True, seq_length=16, max_position_embeddings=32, norm_epsilon=1e-5,
@@ -54,6 +58,33 @@ def foreign_class(cls: type, module_name: str) -> Iterator[type]:
             delattr(parent, attribute)
         for name in created:
             del sys.modules[name]
+
+
+# tools/convert_checkpoint.py run where `import megatron...` raises, checking nothing imported it after all
+_NO_MEGATRON = """
+import runpy, sys
+class BlockMegatron:
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ImportError(f"{name}: blocked by the test")
+sys.meta_path.insert(0, BlockMegatron())
+try:
+    import megatron.core
+    raise SystemExit("the blocker did not block megatron.core")
+except ImportError:
+    pass
+sys.argv = ["tools/convert_checkpoint.py", *sys.argv[1:]]
+try:
+    runpy.run_path("tools/convert_checkpoint.py", run_name="__main__")
+finally:
+    assert not [m for m in sys.modules if m.split(".")[0] == "megatron"]
+"""
+
+
+def convert_without_megatron(*args) -> subprocess.CompletedProcess:
+    """tools/convert_checkpoint.py in a process where every ``megatron`` import fails."""
+    return subprocess.run([sys.executable, "-c", _NO_MEGATRON, "--no-progress", *map(str, args)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
 class InferenceCudaGraphScope(enum.Enum):
@@ -157,3 +188,101 @@ def shard_tp2_pp2(state: dict[str, torch.Tensor], root: Path, **save_options) ->
                 part[name] = value.clone()
             save_rank_file(root, tp, pp, part, staged=True, tensor_model_parallel_size=2,
                            pipeline_model_parallel_size=2, **save_options)
+
+
+# ---- torch_dist (Megatron-Core distributed checkpoints) written by Megatron-Core itself ----------------------
+
+DIST_VOCAB = 100  # the tokenizer's vocab; the model and its checkpoint hold padded_vocab_size (128) rows
+DIST_TOKENS = torch.tensor([[3, 17, 42, 99, 0, 5, 64, 12, 7, 88, 23, 51, 9, 70, 31, 2],
+                            [60, 1, 14, 33, 95, 8, 47, 26, 81, 4, 19, 58, 11, 73, 36, 90]])
+
+
+def _megatron_core_on_cpu() -> None:
+    """Megatron-Core 0.16 on this path on a CPU-only test process (nothing numeric or on disk changes): the two
+    places it assumes CUDA, ``torch.cuda.current_device`` (RoPE's inv_freq device, the DCP writer's success flag)
+    and ``torch.cuda.synchronize`` after the writer's host copies; its memory logging through psutil (not
+    installed); the writer's result queue, a spawned multiprocessing Manager, as an in-process queue (the save is
+    synchronous: the same process reads it); and its forked file writers, which a daemonic test process may not
+    start (run_distributed's children are daemonic so that a hung test cannot outlive pytest)."""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    filesystem_async._process_memory = lambda: 0
+    filesystem_async._get_write_results_queue = queue.Queue
+    multiprocessing.current_process().daemon = False
+
+
+def save_megatron_dist_checkpoints(rank: int, world_size: int, root: str) -> None:
+    """A Megatron-Core 0.16 GPTModel (local spec, RMSNorm, SwiGLU, GQA, RoPE, untied) at TP=``world_size``: its own
+    forward's logits on ``DIST_TOKENS`` (``logits.pt``) and two ``torch_dist`` checkpoints of it, both written by
+    Megatron-Core's ``dist_checkpointing.save``:
+
+    - ``mcore/``: what 0.16 writes for Megatron-LM's state dict: ``common.pt`` (``args``, ``iteration``, ...), layer
+      weights stacked over layers (``decoder.layers.<name>``, ``[num_layers, ...]``), norms under TE names,
+      ``linear_fc1`` as the global ``[gate; up]``, ``_extra_state`` byte entries;
+    - ``lm/``: the layout of Megatron-LM's current save_checkpoint (built from Megatron-Core 0.16's primitives,
+      Megatron-LM's training code not being installed): no ``common.pt``, the common state a ``ShardedObject``
+      ``common_state`` inside the DCP files, one key per global layer and ``linear_fc1`` as ``weight_w`` /
+      ``weight_v`` halves (``singleton_local_shards``).
+    Both ``args`` hold Megatron-Core's own enum and one of a class 0.16 does not have."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _megatron_core_on_cpu()
+    parallel_state.initialize_model_parallel(world_size, 1)
+    # eval mode: attention dropout is off, but Megatron still enters its CUDA RNG tracker around it
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.manual_seed(0)  # the same on every rank: use_cpu_initialization draws each full weight, then slices it
+    config = TransformerConfig(num_layers=ARGS["num_layers"], hidden_size=ARGS["hidden_size"],
+                               ffn_hidden_size=ARGS["ffn_hidden_size"], num_attention_heads=ARGS["num_attention_heads"],
+                               num_query_groups=ARGS["num_query_groups"], normalization="RMSNorm",
+                               layernorm_epsilon=ARGS["norm_epsilon"], gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+                               tensor_model_parallel_size=world_size)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=ARGS["padded_vocab_size"],
+                     max_sequence_length=ARGS["max_position_embeddings"], position_embedding_type="rope",
+                     rotary_base=ARGS["rotary_base"], share_embeddings_and_output_weights=False).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.uniform_(0.5, 1.5)
+        tokens, seq = DIST_TOKENS, DIST_TOKENS.shape[1]
+        causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked
+        local_logits = model(tokens, torch.arange(seq).expand_as(tokens), attention_mask=causal)  # [b, s, v / TP]
+    parts = [torch.empty_like(local_logits) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, local_logits.contiguous())
+    out = Path(root)
+    if rank == 0:
+        torch.save(torch.cat(parts, dim=-1)[..., :DIST_VOCAB].clone(), out / "logits.pt")
+    with foreign_class(InferenceCudaGraphScope, FUTURE_ENUM_MODULE):
+        args = argparse.Namespace(**{**ARGS, "vocab_size": DIST_VOCAB, "tensor_model_parallel_size": world_size},
+                                  attention_backend=AttnBackend.auto, ckpt_format="torch_dist",
+                                  inference_cuda_graph_scope=InferenceCudaGraphScope.block)
+        common = {"args": args, "checkpoint_version": 3.0, "iteration": 10, "num_floating_point_operations_so_far": 0}
+        for layout in ("mcore", "lm"):
+            directory = out / layout / "iter_0000010"
+            if rank == 0:
+                directory.mkdir(parents=True)
+                (out / layout / "latest_checkpointed_iteration.txt").write_text("10")
+            torch.distributed.barrier()
+            if layout == "mcore":
+                state = {"model": model.sharded_state_dict(), **common}
+            else:
+                state = {"model": model.sharded_state_dict(metadata={"singleton_local_shards": True}),
+                         "common_state": ShardedObject("common_state", common, (1,), (0,), replica_id=rank)}
+            dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1))
+            if layout == "lm" and rank == 0:
+                leftover = torch.load(directory / "common.pt", weights_only=False)
+                assert not any(leftover.values()), leftover  # nothing but empty containers left outside the DCP
+                (directory / "common.pt").unlink()

@@ -11,46 +11,17 @@ from another Megatron version does); the converter reads them with every ``megat
 import argparse
 import io
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from convert_testing import checkpoint_tensors, convert  # noqa: E402
-from data_fixtures import REPO_ROOT
 from distributed_testing import run_distributed  # noqa: E402
-from megatron_testing import (DistributedOptimizerState, RunsCode, expected_megafp8, foreign_class, save_rank_file,
-                              shard_tp2_pp2, synthetic_megatron_state)
+from megatron_testing import (DistributedOptimizerState, RunsCode, convert_without_megatron, expected_megafp8,
+                              foreign_class, save_rank_file, shard_tp2_pp2, synthetic_megatron_state)
 
 from megafp8.checkpoint import safe_unpickler
-
-# tools/convert_checkpoint.py run where `import megatron...` raises, checking nothing imported it after all
-_NO_MEGATRON = """
-import runpy, sys
-class BlockMegatron:
-    def find_spec(self, name, path=None, target=None):
-        if name == "megatron" or name.startswith("megatron."):
-            raise ImportError(f"{name}: blocked by the test")
-sys.meta_path.insert(0, BlockMegatron())
-try:
-    import megatron.core
-    raise SystemExit("the blocker did not block megatron.core")
-except ImportError:
-    pass
-sys.argv = ["tools/convert_checkpoint.py", *sys.argv[1:]]
-try:
-    runpy.run_path("tools/convert_checkpoint.py", run_name="__main__")
-finally:
-    assert not [m for m in sys.modules if m.split(".")[0] == "megatron"]
-"""
-
-
-def convert_without_megatron(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _NO_MEGATRON, "--no-progress", *map(str, args)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-
 
 def _megatron_core_body(rank: int, world_size: int, root: str) -> None:
     import torch.nn.functional as F

@@ -1,5 +1,6 @@
-"""Megatron-LM legacy GPT checkpoints (``iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt``, Megatron-Core
-parameter names, any TP/PP, no virtual pipeline) -> a megafp8 checkpoint at iteration 0 (weights only).
+"""Megatron-LM GPT checkpoints -> a megafp8 checkpoint at iteration 0 (weights only): legacy rank files
+(``iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt``, any TP/PP, no virtual pipeline) and Megatron-Core ``torch_dist``
+checkpoints (``iter_N/.metadata`` + ``*.distcp``, any TP/PP/DP), Megatron-Core parameter names.
 
 Megatron-Core's TP shards are the same as megafp8's: ``linear_qkv`` rows are whole query groups
 (group-interleaved q/k/v, concatenated over TP), ``linear_fc1`` is ``[gate_r; up_r]`` per rank (stride 2),
@@ -8,21 +9,26 @@ are local to its pipeline stage (uniform split). Rank files are mmapped through 
 (``safe_unpickler``): tensors load as usual, Megatron's own classes (the enums among the saved flags, RNG and
 optimizer state) become inert placeholders, so any Megatron version, or none, reads them and no code from the
 file runs. Each global tensor is assembled only when it is written.
+
+``torch_dist`` checkpoints (``megatron_dist_reader``) store global tensors, so the TP/PP/DP they were saved at does
+not matter; Megatron-Core keys them differently: layer weights stacked over layers (``decoder.layers.<name>``,
+``[num_layers, ...]``) or one key per global layer (``decoder.layers.<i>.<name>``), norms under the Transformer
+Engine names even from the local spec, ``linear_fc1`` as the global ``[gate; up]`` (or ``weight_w`` / ``weight_v``
+halves), ``_extra_state`` as byte entries (skipped); ``args`` come from ``common.pt`` or the ``common_state`` entry.
 """
 from __future__ import annotations
 
 import argparse
 import re
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megafp8.checkpoint import safe_unpickler
 from megafp8.checkpoint.convert_hf import check_target_layout, write_streamed_checkpoint
 from megafp8.checkpoint.hf_files import ConversionError
+from megafp8.checkpoint.megatron_dist_reader import DistCheckpoint, is_dist_checkpoint, load_pickle_file
 from megafp8.checkpoint.safe_unpickler import Placeholder
 from megafp8.model.config import ModelConfig
 
@@ -68,16 +74,7 @@ def _iteration_dir(load_dir: Path, iteration: int | None) -> Path:
 
 def _load_rank_file(file: Path) -> dict[str, Any]:
     """One rank's state dict, through the restricted unpickler; a file that is not one names itself."""
-    try:
-        state = safe_unpickler.load(file)
-    except OSError as e:
-        raise ConversionError(f"cannot read {file}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - whatever the unpickler met, the file is the cause
-        if not zipfile.is_zipfile(file):  # every torch.save since torch 1.6 writes a zip; its directory is last
-            raise ConversionError(f"{file} is truncated or not a PyTorch checkpoint "
-                                  f"({type(e).__name__}: {e})") from None
-        raise ConversionError(f"{file} is a PyTorch checkpoint that cannot be read "
-                              f"({type(e).__name__}: {e})") from None
+    state = load_pickle_file(file, str(file))
     if not isinstance(state, dict) or "model" not in state and "model0" not in state:
         raise ConversionError(f"{file} holds no 'model' state dict: not a Megatron-LM rank file")
     return state
@@ -96,15 +93,19 @@ def _saved_flags(state: dict[str, Any], source: str) -> dict[str, Any]:
                           "cannot describe the model")
 
 
-def _config(flags: dict[str, Any], source: str) -> ModelConfig:
+def _config(flags: dict[str, Any], source: str, *, global_keys: bool = False) -> ModelConfig:
+    """The model the saved flags describe; ``global_keys``: a torch_dist checkpoint, whose keys do not depend on
+    the pipeline layout (virtual stages allowed)."""
     get = flags.get
-    problems = [f"--{name.replace('_', '-')} {get(name)!r}" for name, ok in (
-        ("swiglu", True), ("normalization", "RMSNorm"), ("position_embedding_type", "rope"), ("add_bias_linear", False),
-        ("add_qkv_bias", False), ("num_layers_per_virtual_pipeline_stage", None), ("num_experts", None))
-        if name in flags and get(name) != ok]
+    required = [("swiglu", True), ("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
+                ("add_bias_linear", False), ("add_qkv_bias", False), ("num_experts", None)]
+    required += [] if global_keys else [("num_layers_per_virtual_pipeline_stage", None)]
+    problems = [f"--{name.replace('_', '-')} {get(name)!r}" for name, ok in required
+                if name in flags and get(name) != ok]
     if problems:
         raise ConversionError(f"{source}: the checkpoint's flags {', '.join(problems)} describe a model megafp8's "
-                              "Llama does not have (needs --swiglu, RMSNorm, RoPE, no biases, no MoE, no VPP)")
+                              "Llama does not have (needs --swiglu, RMSNorm, RoPE, no biases, no MoE"
+                              + ("" if global_keys else ", no VPP") + ")")
     vocab = get("vocab_size") or get("padded_vocab_size")
     missing = [name for name in _REQUIRED_FLAGS if not isinstance(get(name), int)]
     missing += [] if isinstance(vocab, int) else ["vocab_size (or padded_vocab_size)"]
@@ -134,10 +135,10 @@ def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration
         if match:
             ranks[(int(match[1]), int(match[2] or 0))] = entry / "model_optim_rng.pt"
     if not ranks:
-        distributed = any(p.suffix == ".distcp" or p.name == ".metadata" for p in path.iterdir())
-        raise ConversionError(f"--load-dir {load_dir}: {path} has no mp_rank_XX[_YYY] directories" + (
-            " (it is a torch_dist checkpoint: convert it to the legacy format with Megatron-LM's "
-            "tools/checkpoint/convert.py first)" if distributed else ""))
+        if is_dist_checkpoint(path):
+            return _dist_to_megafp8(DistCheckpoint(path), Path(save_dir), target_tp, target_pp, progress)
+        raise ConversionError(f"--load-dir {load_dir}: {path} has no mp_rank_XX[_YYY] directories and no "
+                              ".metadata (neither a legacy nor a torch_dist Megatron checkpoint)")
     tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
                if (t, p) not in ranks or not ranks[(t, p)].exists()]
@@ -186,7 +187,17 @@ def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration
     if not config.tie_embeddings:
         tensors["output_layer.weight"] = ((v, h), vocab_rows(pp - 1, "output_layer.weight"))
     _check_no_unknown(states, ranks)
+    _write(path, Path(save_dir), config, tensors, progress, shapes_known=False)
+    return config
 
+
+_Plan = dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]  # megafp8 name -> (global shape, build)
+
+
+def _write(path: Path, save_dir: Path, config: ModelConfig, tensors: _Plan, progress: bool, *,
+           shapes_known: bool) -> None:
+    """Write the planned tensors, each checked against the shape the flags imply; unless ``shapes_known`` (from
+    metadata), every tensor is built once first, so nothing is written for a mismatched checkpoint."""
     def checked(name: str, shape: tuple[int, ...], build: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             tensor = build()
@@ -196,11 +207,11 @@ def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration
             return tensor
         return run
 
-    for name, (shape, build) in tensors.items():  # shapes first: nothing is written for a mismatched checkpoint
-        checked(name, shape, build)()
-    write_streamed_checkpoint(Path(save_dir), config, {n: (s, checked(n, s, b)) for n, (s, b) in tensors.items()},
+    if not shapes_known:
+        for name, (shape, build) in tensors.items():
+            checked(name, shape, build)()
+    write_streamed_checkpoint(save_dir, config, {n: (s, checked(n, s, b)) for n, (s, b) in tensors.items()},
                               "megatron -> megafp8", progress)
-    return config
 
 
 def _global_shape(config: ModelConfig, suffix: str) -> list[int]:
@@ -220,3 +231,69 @@ def _check_no_unknown(states: dict, ranks: dict) -> None:
                    and not ((m := _LAYER.match(n)) and m[2] in suffixes)]
         if unknown:
             raise ConversionError(f"{ranks[key]}: tensors megafp8's Llama does not have: {unknown[:5]}")
+
+
+# ---- torch_dist (Megatron-Core distributed checkpoints) -------------------------------------------------
+
+# entries of a torch_dist checkpoint that hold no weights (optimizer, RNG, bookkeeping, TE's FP8 metadata)
+_NOT_WEIGHTS = re.compile(r"^(?:chained_\d+\.)?optimizer\.|^(?:rng_state|rerun_state_machine_state|common_state)(?:/|$)"
+                          r"|_extra_state(?:/|$)")
+
+
+def _dist_to_megafp8(checkpoint: DistCheckpoint, save_dir: Path, target_tp: int, target_pp: int,
+                     progress: bool) -> ModelConfig:
+    """A torch_dist iteration directory -> megafp8: global tensors by key, shapes checked from the metadata."""
+    common = checkpoint.common_state()
+    source = str(checkpoint.path / "common.pt") if (checkpoint.path / "common.pt").exists() else \
+        f"{checkpoint.metadata_file} ('common_state' entry)"
+    config = _config(_saved_flags(common, source), source, global_keys=True)
+    check_target_layout(config, target_tp, target_pp)
+    h, v, n = config.hidden_size, config.vocab_size, config.num_layers
+    used: set[str] = set()
+
+    def read(key: str, shape: tuple[int, ...], layer: int | None = None) -> Callable[[], torch.Tensor]:
+        if checkpoint.shape(key) != shape:
+            raise ConversionError(f"{checkpoint.metadata_file}: {key!r} has shape {list(checkpoint.shape(key))}, "
+                                  f"the checkpoint's flags imply {list(shape)}")
+        used.add(key)
+        return lambda: checkpoint.read(key, layer)
+
+    def vocab_rows(key: str) -> Callable[[], torch.Tensor]:
+        if key not in checkpoint.tensors:
+            raise ConversionError(f"{checkpoint.metadata_file}: tensor {key!r} is missing")
+        padded = checkpoint.shape(key)[0]  # Megatron pads the vocab; the extra rows are dropped
+        build = read(key, (max(padded, v), h))
+        return lambda: build()[:v]
+
+    def layer_weight(g: int, names: tuple[str, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor] | None:
+        for name in names:
+            if f"decoder.layers.{g}.{name}" in checkpoint.tensors:  # one key per layer (non-homogeneous layers)
+                return read(f"decoder.layers.{g}.{name}", shape)
+            if f"decoder.layers.{name}" in checkpoint.tensors:  # stacked over layers: [num_layers, ...]
+                return read(f"decoder.layers.{name}", (n, *shape), g)
+        return None
+
+    tensors: _Plan = {"embedding.weight": ((v, h), vocab_rows("embedding.word_embeddings.weight"))}
+    for g in range(n):
+        for ours, (theirs, _) in _LAYER_MAP.items():
+            shape = tuple(_global_shape(config, ours))
+            build = layer_weight(g, theirs, shape)
+            if build is None and ours == "mlp.linear_fc1.weight":  # gate and up saved apart (singleton shards)
+                gate, up = (layer_weight(g, (f"mlp.linear_fc1.weight_{half}",), (shape[0] // 2, h)) for half in "wv")
+                build = (lambda gate=gate, up=up: torch.cat([gate(), up()])) if gate and up else None
+            if build is None:
+                raise ConversionError(f"{checkpoint.metadata_file}: tensor 'decoder.layers.{theirs[0]}' (layer {g}, "
+                                      "stacked or per layer) is missing")
+            tensors[f"layers.{g}.{ours}"] = (shape, build)
+    if "decoder.final_layernorm.weight" not in checkpoint.tensors:
+        raise ConversionError(f"{checkpoint.metadata_file}: tensor 'decoder.final_layernorm.weight' is missing")
+    tensors["final_layernorm.weight"] = ((h,), read("decoder.final_layernorm.weight", (h,)))
+    if not config.tie_embeddings:
+        tensors["output_layer.weight"] = ((v, h), vocab_rows("output_layer.weight"))
+    used.add("output_layer.weight")  # a tied model's copy of the embedding, if saved, is not needed
+    unknown = [k for k in [*checkpoint.tensors, *checkpoint.objects] if k not in used and not _NOT_WEIGHTS.search(k)]
+    if unknown:
+        raise ConversionError(f"{checkpoint.metadata_file}: entries megafp8's Llama does not have: {unknown[:5]}")
+    checkpoint.check_storage(sorted(used & set(checkpoint.tensors)))
+    _write(checkpoint.path, save_dir, config, tensors, progress, shapes_known=True)
+    return config

@@ -22,7 +22,7 @@ import pickle
 import types
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -161,12 +161,17 @@ _PICKLE_MODULE = types.SimpleNamespace(__name__=__name__, Unpickler=Unpickler,
                                        load=lambda file, **kwargs: Unpickler(file, **kwargs).load())
 
 
-def load(file: str | Path) -> Any:
-    """``torch.load`` of ``file`` onto the CPU through the restricted unpickler (mmapped when it is a zip
-    checkpoint, the format of every torch >= 1.6; the legacy format is read into memory)."""
+def load(file: str | Path | IO[bytes]) -> Any:
+    """``torch.load`` of ``file`` onto the CPU through the restricted unpickler (a path is mmapped when it is a
+    zip checkpoint, the format of every torch >= 1.6; the legacy format and file objects, such as one entry of
+    a DCP file, are read into memory)."""
     is_zip = zipfile.is_zipfile(file)
     if is_zip:
         with zipfile.ZipFile(file) as archive:  # torch.load would hand a TorchScript archive to torch.jit.load
             if any(name.partition("/")[2] == "constants.pkl" for name in archive.namelist()):
                 raise pickle.UnpicklingError("a TorchScript archive (torch.jit.save), not a checkpoint")
-    return torch.load(file, map_location="cpu", pickle_module=_PICKLE_MODULE, weights_only=False, mmap=is_zip)
+    is_path = isinstance(file, (str, Path))
+    if not is_path:
+        file.seek(0)  # is_zipfile read its end
+    return torch.load(file, map_location="cpu", pickle_module=_PICKLE_MODULE, weights_only=False,
+                      mmap=is_zip and is_path)
