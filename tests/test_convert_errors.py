@@ -134,7 +134,7 @@ def test_load_dir_that_is_not_a_checkpoint_names_the_flag_and_path(load_format, 
 
 def test_megatron_input_errors(tmp_path, capsys):
     """Rank files Megatron did not finish writing, args without the model's shape, a tracker naming a missing
-    iteration, a torch_dist checkpoint: one line naming the file or field."""
+    iteration, a torch_dist checkpoint with an empty .metadata: one line naming the file or field."""
     def run(root: Path) -> str:
         code, err = _convert_in_process(capsys, "--load-format", "megatron", "--save-format", "megafp8",
                                         "--load-dir", root, "--save-dir", tmp_path / "out")
@@ -158,5 +158,5 @@ def test_megatron_input_errors(tmp_path, capsys):
     (distributed / ".metadata").write_bytes(b"")
     (distributed / "__0_0.distcp").write_bytes(b"")
     (tmp_path / "torch_dist" / "latest_checkpointed_iteration.txt").write_text("10")
-    assert "has no mp_rank_XX[_YYY] directories (it is a torch_dist checkpoint" in run(tmp_path / "torch_dist")
+    assert f"{distributed / '.metadata'} is corrupt or truncated" in run(tmp_path / "torch_dist")  # read as torch_dist
     assert not (tmp_path / "out").exists()
