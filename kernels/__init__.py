@@ -8,6 +8,13 @@ The Triton quantizer lives in quantize_triton.py, not quantize.py: importing a s
 """
 from .dispatch import BACKENDS, GEMM_BACKENDS, fp8_gemm, quantize, resolve_backend, resolve_gemm_backend
 from .gemm_reference import dequantize
+from .norm_quantize import rmsnorm_quantize, swiglu_quantize
+from .norm_quantize_reference import (
+    rms_norm_backward_reference,
+    rms_norm_forward_reference,
+    rms_norm_reference,
+    swiglu_reference,
+)
 from .quantize_reference import expand_scale, scale_from_amax
 from .scaled_mm import DEFAULT_SCALED_MM_MODES, SCALED_MM_ENV_VAR, scaled_mm_modes
 from .scaling import BLOCK, E4M3, E5M2, Fp8Format, Fp8Quantized, GemmScaleMode, Granularity, empty_scales, fp8_format, scale_shape
@@ -15,5 +22,7 @@ from .scaling import BLOCK, E4M3, E5M2, Fp8Format, Fp8Quantized, GemmScaleMode, 
 __all__ = [
     "BACKENDS", "BLOCK", "DEFAULT_SCALED_MM_MODES", "E4M3", "E5M2", "Fp8Format", "Fp8Quantized", "GEMM_BACKENDS",
     "GemmScaleMode", "Granularity", "SCALED_MM_ENV_VAR", "dequantize", "empty_scales", "expand_scale", "fp8_format",
-    "fp8_gemm", "quantize", "resolve_backend", "resolve_gemm_backend", "scale_from_amax", "scale_shape", "scaled_mm_modes",
+    "fp8_gemm", "quantize", "resolve_backend", "resolve_gemm_backend", "rms_norm_backward_reference",
+    "rms_norm_forward_reference", "rms_norm_reference", "rmsnorm_quantize",
+    "scale_from_amax", "scale_shape", "scaled_mm_modes", "swiglu_quantize", "swiglu_reference",
 ]

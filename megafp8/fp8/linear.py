@@ -18,6 +18,7 @@ from megafp8_kernels import Granularity
 
 from .autocast import resolve_recipe
 from .linear_function import SequenceParallelComm, delayed_scale, fp8_linear, quantize_operand
+from .prologue import InputPrologue
 from .recipe import ROLES, Fp8Recipe
 from .scaling_state import ScalingState
 from .tensor import Float8Tensor
@@ -181,8 +182,12 @@ class Fp8GemmModule(nn.Module):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                input_channel_scale: torch.Tensor | None = None, sp_input: SequenceParallelComm | None = None,
                sp_output: SequenceParallelComm | None = None, tp_input: SequenceParallelComm | None = None,
-               high_precision: HighPrecisionLinear = F.linear) -> torch.Tensor:
+               high_precision: HighPrecisionLinear = F.linear, prologue: InputPrologue | None = None) -> torch.Tensor:
         """x W^T (+ b) in FP8 when a recipe is active, else `high_precision(x, W, b)`.
+
+        prologue:            x is the input of an RMSNorm / SwiGLU in front of the GEMM (prologue.py); in FP8 it is
+                             fused into x's quantization, otherwise (and under torch.compile, whose inductor fuses
+                             it itself) it runs first as plain torch ops.
 
         input_channel_scale: Smooth-SwiGLU — quantize x*s and W/s, so the product is unchanged while x's
                              outlier channels no longer set its FP8 scale; W's gradient still goes to W.
@@ -190,6 +195,8 @@ class Fp8GemmModule(nn.Module):
                              fp8_linear); the high-precision callable must then do the same itself.
         """
         recipe = resolve_recipe(self.recipe, self.runs_high_precision)
+        if prologue is not None and (recipe is None or torch.compiler.is_compiling()):
+            x, prologue = prologue.apply(x, *prologue.params()), None
         if recipe is None:
             if input_channel_scale is not None:
                 s = input_channel_scale.to(x.dtype)
@@ -203,13 +210,16 @@ class Fp8GemmModule(nn.Module):
         column_scale = None
         if input_channel_scale is not None:
             s = input_channel_scale.float()
-            x = x * s.to(x.dtype)
+            if prologue is None:
+                x = x * s.to(x.dtype)
+            else:
+                prologue = prologue.with_channel_scale(s)  # scaled inside the fused cast
             weight_fp8 = self._smoothed_fp8_weight(recipe, weight, s, observe)
             column_scale = torch.ones_like(s) / s  # exact: s is a power of two
         else:
             weight_fp8 = self.fp8_weight(recipe, weight, observe)
         return fp8_linear(x, weight, bias, weight_fp8, recipe, self, sp_input, sp_output, tp_input=tp_input,
-                          observe=observe, wgrad_column_scale=column_scale)
+                          observe=observe, wgrad_column_scale=column_scale, prologue=prologue)
 
     def _smoothed_fp8_weight(self, recipe: Fp8Recipe, weight: torch.Tensor, s: torch.Tensor,
                              observe: bool) -> Float8Tensor:

@@ -45,6 +45,7 @@ import torch
 from megafp8_kernels import BLOCK, Granularity, fp8_format, fp8_gemm, quantize, scale_from_amax
 
 from .forced_overflow import overflowing_scale
+from .prologue import InputPrologue
 from .recipe import Fp8Recipe
 from .telemetry import record_fp8_stats
 from .tensor import Float8Tensor
@@ -90,7 +91,8 @@ class Fp8LinearArgs:
     """The non-tensor inputs of one FP8 linear call.
 
     observe: fold this call's amaxes into delayed-scaling histories (training forward only: an eval or
-             no-grad forward must leave the scaling state untouched)."""
+             no-grad forward must leave the scaling state untouched).
+    prologue: the op's input x is the prologue's input: the GEMM consumes prologue(x) (prologue.py)."""
 
     recipe: Fp8Recipe
     layer: Fp8GemmModule
@@ -99,6 +101,7 @@ class Fp8LinearArgs:
     tp_input: SequenceParallelComm | None = None
     observe: bool = True
     wgrad_column_scale: torch.Tensor | None = None
+    prologue: InputPrologue | None = None
 
 
 class _Done:
@@ -139,6 +142,26 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
     if layer.telemetry_enabled:
         record_fp8_stats(layer, role, fp8, q.counts, q.amax)
     return fp8
+
+
+def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], args: Fp8LinearArgs,
+                          transpose: bool) -> tuple[Float8Tensor, tuple[torch.Tensor, ...]] | None:
+    """prologue(x) quantized by one fused kernel (+ what the prologue's backward needs), or None where the input quantization needs prologue(x) in high
+    precision: under SP (the gathered shard's agreed scale and its transposed copy), with telemetry or the
+    forced-overflow hook on (both read it), or for a cold delayed state of a TP-sharded input (whole-tensor amax)."""
+    recipe, layer = args.recipe, args.layer
+    if args.sp_input is not None or layer.telemetry_enabled or layer.forced_overflow_factor is not None:
+        return None
+    state = layer.scaling_state("input", recipe)
+    scale = delayed_scale(state)
+    if state is not None and scale is None and layer.sharded_amax_sync() is not None:
+        return None
+    gran = recipe.granularity("input")
+    q, extras = args.prologue.quantize(x.reshape(-1, x.shape[-1]), *params, recipe.dtype("input"), gran,
+                                       power_of_2_scale=recipe.power_of_2_scale, scale=scale, transpose=transpose)
+    if state is not None and args.observe:
+        state.observe(q.amax)
+    return Float8Tensor.from_quantized(q, gran), extras
 
 
 def _cold_shard_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule) -> torch.Tensor | None:
@@ -242,36 +265,48 @@ def _wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, tor
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, args: Fp8LinearArgs):
-        recipe, layer = args.recipe, args.layer
-        x2d = x.reshape(-1, x.shape[-1])
+    def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, args: Fp8LinearArgs, *prologue_params):
+        recipe, layer, prologue = args.recipe, args.layer, args.prologue
         needs_wgrad = ctx.needs_input_grad[1]  # grad mode is off inside forward; ask autograd instead
-        if args.sp_input is not None:
+        raw, extras = x, ()
+        fused = _fused_prologue_input(raw, prologue_params, args, needs_wgrad) if prologue is not None else None
+        if prologue is not None and fused is None:
+            x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
+        x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
+        if fused is not None:
+            x_fp8, extras = fused
+            x_t = x_fp8.col_major() if needs_wgrad else None
+        elif args.sp_input is not None:
+            x2d = x.reshape(-1, x.shape[-1])
             pending, local = _gather_quantized(x2d, recipe, "input", layer, args.sp_input, args.observe)
             # Only this rank's shard of x^T is kept (Megatron/TE keep the local shard too); built while
             # the gather is in flight.
             x_t = _local_transposed_shard(x2d, local, recipe, "input", args.sp_input) if needs_wgrad else None
             x_fp8 = pending.wait()
         else:
+            x2d = x.reshape(-1, x.shape[-1])
             x_fp8 = quantize_operand(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer,
                                      observe=args.observe)
             x_t = x_fp8.col_major() if needs_wgrad else None
-        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x.dtype, bias,
+        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x_dtype, bias,
                               fast_accum=recipe.fast_accum("fprop"))
         if args.sp_output is not None:
             y = args.sp_output.reduce_scatter_rows_async(y).wait()  # partial sums -> this rank's sequence shard
 
         ctx.args, ctx.weight_fp8 = args, weight_fp8  # the module owns the FP8 weight
-        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
-        ctx.save_for_backward(*(x_t or (None, None)), weight, bias)
-        return y.view(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 changes by the TP size under sequence parallel
+        ctx.x_dtype, ctx.x_shape = x_dtype, x_shape
+        # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
+        ctx.save_for_backward(*(x_t or (None, None)), weight, bias,
+                              *((raw, *prologue_params, *extras) if prologue else ()))
+        return y.view(-1, *x_shape[1:-1], y.shape[-1])  # dim 0 changes by the TP size under sequence parallel
 
     @staticmethod
     def backward(ctx, grad_output):
-        x_t, x_scale_t, weight, bias = ctx.saved_tensors
+        x_t, x_scale_t, weight, bias, *prologue_saved = ctx.saved_tensors
         args = ctx.args
         recipe, layer = args.recipe, args.layer
-        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        prologue_needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]) if args.prologue is not None else ()
+        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0] or any(prologue_needs), ctx.needs_input_grad[1]
         # Under SP the saved x^T is this rank's columns: re-gather them while dY is quantized and dgrad runs.
         x_t_pending = args.sp_input.gather_cols_async(x_t) if needs_wgrad and args.sp_input is not None else None
 
@@ -306,7 +341,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = route_grad(bias, dy2d.sum(dim=0, dtype=torch.float32))
         grad_input = dgrad_pending.wait().view(ctx.x_shape) if dgrad_pending is not None else None
-        return grad_input, grad_weight, grad_bias, None, None
+        if args.prologue is None:
+            return grad_input, grad_weight, grad_bias, None, None
+        grad_raw, *grad_params = args.prologue.backward(grad_input, prologue_needs, *prologue_saved)
+        return grad_raw, grad_weight, grad_bias, None, None, *grad_params
 
 
 class _BiasAdd(torch.autograd.Function):
@@ -343,7 +381,8 @@ def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tenso
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_fp8: Float8Tensor,
                recipe: Fp8Recipe, layer: Fp8GemmModule, sp_input: SequenceParallelComm | None = None,
                sp_output: SequenceParallelComm | None = None, *, tp_input: SequenceParallelComm | None = None,
-               observe: bool = True, wgrad_column_scale: torch.Tensor | None = None) -> torch.Tensor:
+               observe: bool = True, wgrad_column_scale: torch.Tensor | None = None,
+               prologue: InputPrologue | None = None) -> torch.Tensor:
     """The FP8 linear autograd op. `weight` is the leaf Parameter (its values are not read: `weight_fp8`
     is the GEMM operand); its gradient and the bias's are routed into `main_grad` when it exists.
     Tensor parallelism (communication inside the op, so it can overlap the GEMMs):
@@ -351,8 +390,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     sp_output  the output partial sums are reduce-scattered to this rank's shard; in backward the output
                gradient shard is quantized once and all-gathered as FP8 for dgrad and wgrad.
     tp_input   (no SP) x is replicated over TP: dgrad is all-reduced, overlapped with wgrad.
-    wgrad_column_scale  multiplies wgrad's columns (Smooth-SwiGLU's 1/s; `weight_fp8` holds W / s)."""
+    wgrad_column_scale  multiplies wgrad's columns (Smooth-SwiGLU's 1/s; `weight_fp8` holds W / s).
+    prologue   x is the prologue's input (RMSNorm / SwiGLU, prologue.py): fused into the input's quantization
+               where it can be, recomputed in backward; its parameters' gradients are returned to autograd."""
     if sp_output is not None and bias is not None:
         raise ValueError("a bias inside a reduce-scattered GEMM would be summed once per rank: add it after")
-    args = Fp8LinearArgs(recipe, layer, sp_input, sp_output, tp_input, observe, wgrad_column_scale)
-    return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, args)
+    args = Fp8LinearArgs(recipe, layer, sp_input, sp_output, tp_input, observe, wgrad_column_scale, prologue)
+    params = prologue.params() if prologue is not None else ()
+    return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, args, *params)

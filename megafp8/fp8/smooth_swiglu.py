@@ -9,11 +9,12 @@ point, so in high precision the layer's output is bit-identical to plain SwiGLU.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from megafp8_kernels import swiglu_reference
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    return swiglu_reference(gate, up)  # the math the fused SwiGLU -> FP8 cast also runs (megafp8.fp8.prologue)
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.model.config import ModelConfig
+from megafp8.model.norm import RMSNorm
 from megafp8.model.recompute import recompute
 from megafp8.model.rotary import apply_rotary
 from megafp8.parallel.parallel_state import ParallelState
@@ -39,8 +40,11 @@ class SelfAttention(nn.Module):
                                              parallel_state, init_method=init_method_normal(config.output_init_std),
                                              params_dtype=config.params_dtype, perform_initialization=False)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv = self.linear_qkv(x)  # [s, b, G/TP * (r + 2) * d]
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                input_norm: RMSNorm | None = None) -> torch.Tensor:
+        """`input_norm`: x is the input of this norm, fused into QKV's FP8 input cast (else x is QKV's input)."""
+        qkv = self.linear_qkv(x, prologue=input_norm.prologue() if input_norm is not None else None)
+        # qkv: [s, b, G/TP * (r + 2) * d]
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.query_heads_per_group + 2, self.head_dim)
         q, k, v = qkv.split([self.query_heads_per_group, 1, 1], dim=3)

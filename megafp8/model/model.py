@@ -45,8 +45,14 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, parallel_state)
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype)
         self.mlp = MLP(config, parallel_state)
+        # RMSNorm -> QKV / FC1 and SwiGLU -> FC2 run as the linears' prologues (megafp8.fp8.prologue): in FP8 fused
+        # into the input cast, bit-identical to the unfused modules; False runs the norms and SwiGLU on their own.
+        self.fuse_fp8_prologues = True
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.fuse_fp8_prologues:
+            x = x + self.self_attention(x, rotary, input_norm=self.input_layernorm)
+            return x + self.mlp(x, input_norm=self.pre_mlp_layernorm, fuse_activation=True)
         x = x + self.self_attention(self.input_layernorm(x), rotary)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megafp8.fp8.prologue import RMSNormPrologue, rms_norm
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, Llama's normalization (no mean subtraction, no bias).
@@ -21,9 +23,11 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # backward from the saved rstd (megafp8.fp8.prologue)
+
+    def prologue(self) -> RMSNormPrologue:
+        """This norm as the prologue of the next linear: in FP8, fused into the quantization of its input."""
+        return RMSNormPrologue(self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, add_bias
+from megafp8.fp8.prologue import InputPrologue
 from megafp8.parallel import collectives as C
 from megafp8.parallel.fp8_sequence_parallel import TensorParallelSequenceComm
 from megafp8.parallel.mappings import (
@@ -140,24 +141,29 @@ class ColumnParallelLinear(Fp8GemmModule):
         self.set_recipe(fp8_recipe)
         self._tp_comm = TensorParallelSequenceComm(self.tp)  # the FP8 op's collectives (async, overlapped)
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                prologue: InputPrologue | None = None) -> torch.Tensor:
+        """`prologue`: input_ is the input of the RMSNorm in front of this layer (fused into FP8's input cast)."""
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation: pass `weight`")
             weight = self.weight
-        output = self._forward_impl(input_, weight)
+        output = self._forward_impl(input_, weight, prologue)
         if self.bias is not None:
             output = add_bias(output, self.bias)  # its grad goes to bias.main_grad when that exists
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp)
         return output
 
-    def _forward_impl(self, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _forward_impl(self, input_: torch.Tensor, weight: torch.Tensor,
+                      prologue: InputPrologue | None = None) -> torch.Tensor:
         """Entering the TP region + local GEMM. In FP8 the op does the communication itself: under SP it
         all-gathers FP8 bytes and reduce-scatters dgrad, without SP it all-reduces dgrad, overlapped with wgrad."""
         if self.sequence_parallel:
-            return self.linear(input_, weight, sp_input=self._tp_comm, high_precision=self._high_precision_impl)
-        return self.linear(input_, weight, tp_input=self._tp_comm, high_precision=self._high_precision_impl)
+            return self.linear(input_, weight, sp_input=self._tp_comm, high_precision=self._high_precision_impl,
+                               prologue=prologue)
+        return self.linear(input_, weight, tp_input=self._tp_comm, high_precision=self._high_precision_impl,
+                           prologue=prologue)
 
     def sharded_amax_sync(self):
         return self._tp_comm.sync_amax if self.tp.size > 1 else None  # current scales of shards: the whole tensor's
@@ -221,21 +227,26 @@ class RowParallelLinear(Fp8GemmModule):
         self.set_recipe(fp8_recipe)
         self._tp_comm = TensorParallelSequenceComm(self.tp)  # the FP8 op's collectives (async, overlapped)
 
-    def forward(self, input_: torch.Tensor, input_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """`input_channel_scale`: Smooth-SwiGLU's per-channel scales of this rank's input columns."""
+    def forward(self, input_: torch.Tensor, input_channel_scale: torch.Tensor | None = None,
+                prologue: InputPrologue | None = None) -> torch.Tensor:
+        """`input_channel_scale`: Smooth-SwiGLU's per-channel scales of this rank's input columns.
+        `prologue`: input_ is the input of the SwiGLU in front of this layer (fused into FP8's input cast)."""
         if not self.input_is_parallel:
+            if prologue is not None:
+                raise ValueError("RowParallelLinear: a prologue needs input_is_parallel=True")
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp)
-        output = self._forward_impl(input_, input_channel_scale)
+        output = self._forward_impl(input_, input_channel_scale, prologue)
         if self.bias is not None:
             output = add_bias(output, self.bias)  # its grad goes to bias.main_grad when that exists
         return output
 
-    def _forward_impl(self, input_parallel: torch.Tensor, input_channel_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward_impl(self, input_parallel: torch.Tensor, input_channel_scale: torch.Tensor | None = None,
+                      prologue: InputPrologue | None = None) -> torch.Tensor:
         """Local GEMM (FP8 when a recipe is active) and the reduction of the partial sums over TP."""
         if self.sequence_parallel:
             return self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale,
-                               sp_output=self._tp_comm, high_precision=self._high_precision_sp_impl)
-        partial = self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale)
+                               sp_output=self._tp_comm, high_precision=self._high_precision_sp_impl, prologue=prologue)
+        partial = self.linear(input_parallel, self.weight, input_channel_scale=input_channel_scale, prologue=prologue)
         return reduce_from_tensor_model_parallel_region(partial, self.tp, reuse_input=True)  # fresh GEMM output
 
     def sharded_amax_sync(self):

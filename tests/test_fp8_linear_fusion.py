@@ -1,0 +1,194 @@
+"""Fused RMSNorm -> FP8 and SwiGLU -> FP8 prologues: a transformer layer with them equals the unfused layer bit for
+bit (outputs, input and parameter gradients, delayed-scaling state) for every recipe, at TP=1 and at TP=2 with and
+without sequence parallelism; the fused kernels' twins equal the unfused math; RMSNorm's written-out backward
+agrees with fp64 autograd; and the kernel launches per layer stay within the budget of issue 19."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed_testing import run_distributed
+from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager, enable_fp8_telemetry, fp8_autocast
+from megafp8.model import GPTModel, ModelConfig
+from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.sharding import shard_state_dict
+from megafp8.parallel.tensor_parallel import allreduce_sequence_parallel_grads
+from megafp8_kernels import (
+    quantize,
+    rms_norm_backward_reference,
+    rms_norm_forward_reference,
+    rmsnorm_quantize,
+    swiglu_quantize,
+    swiglu_reference,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+import bench_layer_kernels  # noqa: E402
+
+RECIPES = {
+    "delayed": Fp8Recipe.delayed(amax_history_len=4),
+    "tensorwise": Fp8Recipe.tensorwise(),
+    "rowwise": Fp8Recipe.rowwise(),
+    "blockwise": Fp8Recipe.blockwise(),
+    "blockwise_hybrid_pow2": Fp8Recipe.blockwise(fp8_format="hybrid", power_of_2_scale=True),
+}
+
+
+def _layer(activation: str = "swiglu", params_dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=1, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                      seq_length=16, activation=activation, params_dtype=params_dtype)
+    model = GPTModel(cfg, ParallelState().init_process_groups())
+    return model.layers["0"], model.rotary(16)
+
+
+def _steps(layer, rotary, recipe, fused: bool, steps: int = 3, dtype=torch.float32, telemetry_at: int = -1):
+    """Per step: output, input grad, parameter grads and every buffer (scaling state) after the update."""
+    layer = copy.deepcopy(layer)
+    layer.fuse_fp8_prologues = fused
+    manager = Fp8ScalingManager(layer, None)
+    results = []
+    for step in range(steps):
+        enable_fp8_telemetry(layer, step == telemetry_at)
+        g = torch.Generator().manual_seed(step)
+        x = (torch.randn(16, 2, 128, generator=g) * (1 + 4 * step)).to(dtype).requires_grad_()
+        with fp8_autocast(recipe=recipe):
+            y = layer(x, rotary)
+        y.backward(torch.cos(torch.arange(y.numel(), dtype=torch.float32)).view_as(y).to(y.dtype))
+        manager.update()
+        results.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()},
+                        {n: b.clone() for n, b in layer.named_buffers()}))
+        layer.zero_grad(set_to_none=True)
+    return results
+
+
+def _assert_bitwise_equal(unfused, fused, case):
+    for step, (a, b) in enumerate(zip(unfused, fused)):
+        assert torch.equal(a[0], b[0]), (case, step, "output")
+        assert torch.equal(a[1], b[1]), (case, step, "input grad")
+        for group in (2, 3):
+            assert a[group].keys() == b[group].keys()
+            for name in a[group]:
+                assert torch.equal(a[group][name], b[group][name]), (case, step, name)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_fused_layer_equals_unfused_bit_for_bit(name):
+    layer, rotary = _layer()
+    _assert_bitwise_equal(_steps(layer, rotary, RECIPES[name], False), _steps(layer, rotary, RECIPES[name], True), name)
+
+
+def test_fused_smooth_swiglu_bf16_and_telemetry_steps_equal_unfused():
+    """Smooth-SwiGLU's channel scales, bf16 activations and parameters, and a step with telemetry on (where the
+    input casts run unfused inside the op, since telemetry reads the high-precision input)."""
+    layer, rotary = _layer("smooth_swiglu", torch.bfloat16)
+    recipe = RECIPES["delayed"]
+    unfused = _steps(layer, rotary, recipe, False, dtype=torch.bfloat16, telemetry_at=1)
+    _assert_bitwise_equal(unfused, _steps(layer, rotary, recipe, True, dtype=torch.bfloat16, telemetry_at=1), "smooth")
+
+
+def test_fused_path_runs_the_fused_kernels():
+    layer, rotary = _layer()
+    count = bench_layer_kernels.count_layer("delayed", fused=True)
+    assert count["forward_ops"]["megafp8::rmsnorm_quantize"] == 2 and count["forward_ops"]["megafp8::swiglu_quantize"] == 1
+    assert "aten::rsqrt" not in count["forward_ops"] and "aten::silu" not in count["forward_ops"]
+
+
+@pytest.mark.parametrize("gran, scale", [("tensorwise", None), ("tensorwise", 3.0), ("rowwise", None),
+                                         ("block_1x128", None)])
+def test_fused_ops_equal_the_unfused_math(gran, scale):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 200, generator=g) * 3
+    weight = torch.rand(200, generator=g) + 0.5
+    gate_up = torch.randn(70, 400, generator=g)
+    channel_scale = torch.exp2(torch.randint(-3, 4, (200,), generator=g).float())
+    kw = dict(scale=None if scale is None else torch.tensor(scale), transpose=True)
+    normed, rstd = rms_norm_forward_reference(x, weight, 1e-5)
+    cases = [(rmsnorm_quantize(x, weight, 1e-5, torch.float8_e4m3fn, gran, **kw)[0], normed),
+             (swiglu_quantize(gate_up, channel_scale, torch.float8_e4m3fn, gran, **kw),
+              swiglu_reference(*gate_up.chunk(2, dim=-1), channel_scale))]
+    for fused, hp in cases:
+        unfused = quantize(hp, torch.float8_e4m3fn, gran, **kw)
+        for a, b in zip((fused.data, fused.data_t), (unfused.data, unfused.data_t)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(fused.scale_inv, unfused.scale_inv) and torch.equal(fused.scale_inv_t, unfused.scale_inv_t)
+        assert torch.equal(fused.amax, unfused.amax)
+    assert torch.equal(rmsnorm_quantize(x, weight, 1e-5, torch.float8_e4m3fn, gran, **kw)[1], rstd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_matches_fp64_autograd(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 5, 96, generator=g) * 2).to(dtype)
+    weight = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    grad = torch.randn(6, 5, 96, generator=g).to(dtype)
+    y, rstd = rms_norm_forward_reference(x, weight, 1e-5)
+    dx, dw = rms_norm_backward_reference(grad, x, weight, rstd)
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    ref = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref.backward(grad.double())
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), ref.detach(), **tol)
+    torch.testing.assert_close(dx.double(), x64.grad, **tol)
+    torch.testing.assert_close(dw.double(), w64.grad, **tol)
+    assert dx.dtype == dtype and dw.dtype == dtype
+
+
+# Launches per transformer layer, forward + backward (tools/bench/bench_layer_kernels.py; docs/benchmarks.md): before
+# the fusion 111 delayed, 99 tensorwise/rowwise/blockwise, 132 delayed + Smooth-SwiGLU, 91 high precision.
+LAUNCH_BUDGET = {"delayed": 89, "tensorwise": 77, "rowwise": 77, "blockwise": 77, "delayed + smooth_swiglu": 112,
+                 "high precision": 81}
+
+
+def test_layer_launches_within_budget_and_independent_of_size():
+    for name, budget in LAUNCH_BUDGET.items():
+        count = bench_layer_kernels.count_layer(name, fused=True)
+        assert count["forward"] + count["backward"] <= budget, (name, count["forward"], count["backward"])
+    small = bench_layer_kernels.count_layer("blockwise", fused=True, hidden=128, seq=32)
+    large = bench_layer_kernels.count_layer("blockwise", fused=True, hidden=256, seq=160)
+    assert small["forward_ops"] == large["forward_ops"] and small["backward_ops"] == large["backward_ops"]
+    unfused = bench_layer_kernels.count_layer("blockwise", fused=False)
+    assert unfused["forward"] - small["forward"] == 14  # 2 x (RMSNorm's 6 ops + its cast) + SwiGLU's 2, merged
+
+
+def _tp_body(rank: int, world_size: int) -> None:
+    """TP=2 with and without SP: the fused model equals the unfused one bit for bit (the row-parallel FC2's SwiGLU
+    is fused in both; under SP the column-parallel QKV/FC1 norms run unfused inside the op, see prologue.py)."""
+    for sp, recipe in ((False, RECIPES["delayed"]), (True, RECIPES["blockwise"])):
+        cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
+                          num_query_groups=4, seq_length=16, vocab_size=100, make_vocab_size_divisible_by=8)
+        ps = ParallelState(world_size=world_size, tensor_model_parallel_size=world_size,
+                           sequence_parallel=sp).init_process_groups()
+        runs = []
+        for fused in (False, True):
+            torch.manual_seed(0)
+            model = GPTModel(cfg, ps, fp8_recipe=recipe)
+            for layer in model.layers.values():
+                layer.fuse_fp8_prologues = fused
+            manager = fp8_scaling_manager(model, ps)
+            steps = []
+            for step in range(2):
+                g = torch.Generator().manual_seed(step)
+                ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+                loss = model(ids, torch.roll(ids, 1, dims=1))
+                loss.mean().backward()
+                allreduce_sequence_parallel_grads(model, ps)
+                manager.update()
+                steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                              {n: b.clone() for n, b in model.named_buffers()}))
+                model.zero_grad(set_to_none=True)
+            runs.append(steps)
+        for (loss0, grads0, bufs0), (loss1, grads1, bufs1) in zip(*runs):
+            assert torch.equal(loss0, loss1), (sp, recipe.scaling)
+            for name in grads0:
+                assert torch.equal(grads0[name], grads1[name]), (sp, recipe.scaling, name)
+            for name in bufs0:
+                assert torch.equal(bufs0[name], bufs1[name]), (sp, recipe.scaling, name)
+
+
+@pytest.mark.distributed
+def test_tp2_fused_equals_unfused_with_and_without_sequence_parallel():
+    run_distributed(_tp_body, world_size=2)

@@ -1,0 +1,50 @@
+"""The fused RMSNorm -> FP8 and SwiGLU -> FP8 Triton kernels against their reference twins (Triton's interpreter on
+CPU, set by conftest.py; the GPU on a CUDA machine): bf16 activations give the same bits (bytes, transposed
+bytes, scales, amax); fp32 ones the same bytes up to the prologue's own fp32 rounding (the row sum's order, exp),
+which moves a value across an FP8 rounding boundary rarely. Shapes are odd (partial tiles in both dims)."""
+import pytest
+import torch
+
+from megafp8_kernels import rmsnorm_quantize, swiglu_quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = [("tensorwise", 5.0), ("block_1x128", None), ("tensorwise", None), ("rowwise", None)]  # last two: two passes
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(130, 260, generator=g) * 3).to(dtype)
+    weight = torch.rand(260, generator=g) + 0.5
+    gate_up = (torch.randn(130, 520, generator=g) * 2).to(dtype)
+    channel_scale = torch.exp2(torch.randint(-3, 4, (260,), generator=g).float())
+    return [t.to(DEVICE) for t in (x, weight, gate_up, channel_scale)]
+
+
+def _both(fn):
+    return fn("triton"), fn("reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gran, scale", CASES, ids=[f"{g}-{'given' if s else 'current'}" for g, s in CASES])
+@pytest.mark.parametrize("prologue", ["rmsnorm", "swiglu", "smooth_swiglu"])
+def test_fused_quantize_kernel_matches_its_twin(prologue, gran, scale, dtype):
+    x, weight, gate_up, channel_scale = _inputs(dtype)
+    kw = dict(scale=None if scale is None else torch.tensor(scale, device=DEVICE), transpose=True)
+    fp8 = torch.float8_e4m3fn
+    if prologue == "rmsnorm":
+        (fused, rstd), (ref, ref_rstd) = _both(lambda b: rmsnorm_quantize(x, weight, 1e-5, fp8, gran, backend=b, **kw))
+        torch.testing.assert_close(rstd, ref_rstd, rtol=4e-7, atol=0)  # a few fp32 ulps: the row sum's order
+    else:
+        s = channel_scale if prologue == "smooth_swiglu" else None
+        fused, ref = _both(lambda b: swiglu_quantize(gate_up, s, fp8, gran, backend=b, **kw))
+    pairs = [(fused.data, ref.data), (fused.data_t, ref.data_t)]
+    if dtype == torch.bfloat16:  # the fp32 ulps vanish in the bf16 rounding of the prologue's output
+        for a, b in pairs:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in ((fused.scale_inv, ref.scale_inv), (fused.scale_inv_t, ref.scale_inv_t), (fused.amax, ref.amax)):
+            assert torch.equal(a, b)
+    else:
+        for a, b in pairs:
+            assert (a.view(torch.uint8) == b.view(torch.uint8)).float().mean() >= 0.999
+        for a, b in ((fused.scale_inv, ref.scale_inv), (fused.scale_inv_t, ref.scale_inv_t), (fused.amax, ref.amax)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
