@@ -117,7 +117,7 @@ def _first_batch_loss(hf, argv: list[str]) -> float:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), tokens[:, 1:].reshape(-1)).item()
 
 
-def test_readme_commands_convert_a_llama31_directory_and_finetune_trains(tmp_path):
+def test_readme_commands_convert_a_llama31_directory_and_finetune_trains(tmp_path, monkeypatch):
     for name in LINKED:
         (tmp_path / name).symlink_to(Path(REPO_ROOT) / name)
     hf = llama3_hf_model(tmp_path / "Llama-dir", factor=8.0, tie=False, meta_spelling=True, vocab_size=VOCAB + 1)
@@ -132,17 +132,22 @@ def test_readme_commands_convert_a_llama31_directory_and_finetune_trains(tmp_pat
     _learnable_dataset(tmp_path / "counting")
     run_flags = (f"--tensor-model-parallel-size 2 --seq-length {SEQ} --micro-batch-size 4 --train-iters 6 "
                  "--lr 1e-2 --lr-warmup-iters 0 --tokenizer-type NullTokenizer "
-                 f"--vocab-size {VOCAB} --data-path counting --split 100,0,0 --eval-iters 0 --log-dir logs")
+                 f"--vocab-size {VOCAB} --data-path counting --split 100,0,0 --eval-iters 0 --log-dir logs --save ft")
     assert train.startswith("torchrun ... -m megafp8.pretrain --load ckpt --finetune <the model flags it prints> ")
     command = (train.replace("torchrun ...", "torchrun --standalone --nproc-per-node 2")
                .replace("<the model flags it prints>", model_flags).replace(" ...", " " + run_flags))
     result = _run(command, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [json.loads(line)["lm_loss"] for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    os.chdir(tmp_path)  # the data path is relative, as in the command
+    monkeypatch.chdir(tmp_path)  # the data path is relative, as in the command
     expected = _first_batch_loss(hf, f"--load ckpt --finetune {model_flags} {run_flags}".split())
     assert abs(losses[0] - expected) <= 1e-4 * expected, (losses[0], expected)  # it trains the scaled model
     assert losses[-1] < losses[0] - 0.5, losses  # and it learns
+    # the training run's manifest carries the scaling too: its HF export says so
+    from megafp8.checkpoint.convert_hf import megafp8_to_hf
+
+    megafp8_to_hf(tmp_path / "ft", tmp_path / "hf-ft", progress=False)
+    assert json.loads((tmp_path / "hf-ft" / "config.json").read_text())["rope_scaling"] == _expected_rope_scaling(8.0)
 
     result = _run(to_hf, tmp_path)
     assert result.returncode == 0, result.stderr
