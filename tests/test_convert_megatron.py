@@ -1,7 +1,8 @@
 """Megatron-LM legacy checkpoints -> megafp8, with or without Megatron installed.
 
 The first fixture's parameters come from Megatron-Core's own GPTModel (local spec, RMSNorm, SwiGLU, GQA, RoPE,
-untied; built on CPU: its forward needs CUDA, so logits are not compared here). TP=1: written as Megatron-LM does
+untied; built on CPU; its logits, and its own TP=2 shards as rank files, are checked in
+tests/test_convert_megatron_dist.py). TP=1: written as Megatron-LM does
 (``iter_N/mp_rank_00/model_optim_rng.pt`` with ``model``, ``args`` holding Megatron enums, RNG and optimizer
 state); the converted tensors equal Megatron-Core's under the documented name map. TP=2 x PP=2: the same weights
 cut the way Megatron-Core shards them into ``mp_rank_XX_YYY`` files (built here, not by Megatron's code); it must
@@ -22,6 +23,8 @@ from megatron_testing import (DistributedOptimizerState, RunsCode, convert_witho
                               foreign_class, save_rank_file, shard_tp2_pp2, synthetic_megatron_state)
 
 from megafp8.checkpoint import safe_unpickler
+from megafp8.checkpoint.convert_megatron import megatron_to_megafp8
+from megafp8.checkpoint.hf_files import ConversionError
 
 def _megatron_core_body(rank: int, world_size: int, root: str) -> None:
     import torch.nn.functional as F
@@ -68,9 +71,9 @@ def test_megatron_checkpoints_convert(tmp_path):
     no_megatron = checkpoint_tensors(tmp_path / "m8_no_megatron")
     assert sorted(no_megatron) == sorted(ours) and all(torch.equal(no_megatron[k], ours[k]) for k in ours)
 
+    # the rest in-process: the command line was checked above (a subprocess costs ~10 s on the test machines)
     shard_tp2_pp2(state, tmp_path / "tp2pp2")
-    assert convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp2pp2",
-                   "--save-dir", tmp_path / "m8_tp2pp2").returncode == 0
+    megatron_to_megafp8(tmp_path / "tp2pp2", tmp_path / "m8_tp2pp2", progress=False)
     sharded = checkpoint_tensors(tmp_path / "m8_tp2pp2")
     assert sorted(sharded) == sorted(ours) and all(torch.equal(sharded[k], ours[k]) for k in ours)
 
@@ -83,20 +86,17 @@ def test_megatron_checkpoints_convert(tmp_path):
             name = name.replace(old, new)
         te_state[name] = value
     save_rank_file(tmp_path / "te", 0, 0, te_state)
-    assert convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "te",
-                   "--save-dir", tmp_path / "m8_te").returncode == 0
+    megatron_to_megafp8(tmp_path / "te", tmp_path / "m8_te", progress=False)
     te = checkpoint_tensors(tmp_path / "m8_te")
     assert sorted(te) == sorted(ours) and all(torch.equal(te[k], ours[k]) for k in ours)
 
     # a model megafp8 does not have, and a missing rank file: clear errors, nothing written
     save_rank_file(tmp_path / "bias", 0, 0, state, add_bias_linear=True)
-    result = convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "bias",
-                     "--save-dir", tmp_path / "out")
-    assert result.returncode == 1 and "--add-bias-linear True" in result.stderr
+    with pytest.raises(ConversionError, match="--add-bias-linear True"):
+        megatron_to_megafp8(tmp_path / "bias", tmp_path / "out", progress=False)
     (tmp_path / "tp2pp2" / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
-    result = convert("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp2pp2",
-                     "--save-dir", tmp_path / "out")
-    assert result.returncode == 1 and "mp_rank_01_001" in result.stderr
+    with pytest.raises(ConversionError, match="mp_rank_01_001"):
+        megatron_to_megafp8(tmp_path / "tp2pp2", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -118,8 +118,7 @@ def test_rank_files_naming_missing_classes_convert_without_megatron(tmp_path):
         torch.load(rank_file, weights_only=False)
     expected = expected_megafp8(state)
     flags = ("--load-format", "megatron", "--save-format", "megafp8", "--load-dir", tmp_path / "tp2pp2")
-    result = convert(*flags, "--save-dir", tmp_path / "m8")
-    assert result.returncode == 0, result.stderr
+    megatron_to_megafp8(tmp_path / "tp2pp2", tmp_path / "m8", progress=False)
     result = convert_without_megatron(*flags, "--save-dir", tmp_path / "m8_no_megatron")
     assert result.returncode == 0, result.stderr
     for out in ("m8", "m8_no_megatron"):
