@@ -2,16 +2,22 @@
 the unpadded logits (fp32 and bf16 logits, vocab padding, TP=1 and a TP=2 gloo run, several chunks and a
 ragged last one), two all-reduces per call whatever the chunk count, and no fp32 temporary larger than a
 chunk during forward and backward (a TorchDispatchMode watching every op's output)."""
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from data_fixtures import REPO_ROOT
 from distributed_testing import run_distributed
 from megafp8.parallel import cross_entropy
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megafp8.parallel.parallel_state import ParallelState
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "bench"))
+from bench_cross_entropy import LargestFloat32Output  # noqa: E402 (the benchmark's own meter)
 
 SEQ, BATCH, VOCAB, PADDED = 13, 3, 90, 96  # 39 tokens; rank 1 of TP=2 holds 42 real columns and 6 padding
 CHUNK_BYTES = 4 * 5 * 48  # 5 rows of 48 fp32 columns: 8 chunks, the last one ragged
@@ -67,27 +73,12 @@ def test_tp2_matches_fp64_cross_entropy():
     run_distributed(_tp2_body, world_size=2)
 
 
-class _LargestFloat32Output(TorchDispatchMode):
-    """The largest fp32 tensor any op returns (views included: a view of a big fp32 tensor is one too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                self.largest = max(self.largest, t.numel() * 4)
-        return out
-
-
 def test_fp32_temporaries_are_bounded_by_the_chunk_not_the_logits(monkeypatch):
     monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", CHUNK_BYTES)
     logits, target, weights = _inputs(torch.bfloat16)
     logits.requires_grad_()
     weights = weights.float()
-    with _LargestFloat32Output() as watch:
+    with LargestFloat32Output() as watch:
         (vocab_parallel_cross_entropy(logits, target, GroupHandle.solo(), vocab_size=VOCAB) * weights).sum().backward()
     assert logits.numel() * 4 > 8 * CHUNK_BYTES  # what an fp32 copy of the logits would take
     assert watch.largest <= CHUNK_BYTES, f"an fp32 temporary of {watch.largest} B > chunk {CHUNK_BYTES} B"
