@@ -61,8 +61,9 @@ CASES = {
                        "'model.layers.0.self_attn.k_proj.weight' has shape [31, 64], config.json implies [32, 64]"),
     "unknown model_type": (lambda hf: _edit_config(hf, model_type="mistral"), [],
                            "model_type 'mistral' is not supported"),
-    "incomplete llama3 rope_scaling": (lambda hf: _edit_config(hf, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-                                       [], "rope_scaling with rope_type 'llama3' lacks low_freq_factor, high_freq_factor"),
+    "incomplete llama3 rope_scaling": (
+        lambda hf: _edit_config(hf, rope_scaling={"rope_type": "llama3", "factor": 8.0}), [],
+        "rope_scaling with rope_type 'llama3' lacks low_freq_factor, high_freq_factor"),
     "bias": (lambda hf: _edit_config(hf, attention_bias=True), [], "attention_bias=True"),
     "non-divisible target TP": (lambda hf: None, ["--target-tensor-parallel-size", "3"],
                                 "--target-tensor-parallel-size 3 does not divide num_attention_heads (4)"),
