@@ -218,8 +218,8 @@ def _megatron_core_on_cpu() -> None:
 
 def save_megatron_dist_checkpoints(rank: int, world_size: int, root: str) -> None:
     """A Megatron-Core 0.16 GPTModel (local spec, RMSNorm, SwiGLU, GQA, RoPE, untied) at TP=``world_size``: its own
-    forward's logits on ``DIST_TOKENS`` (``logits.pt``) and two ``torch_dist`` checkpoints of it, both written by
-    Megatron-Core's ``dist_checkpointing.save``:
+    forward's logits on ``DIST_TOKENS`` (``logits.pt``), its per-rank state dicts as legacy rank files (``legacy/``)
+    and two ``torch_dist`` checkpoints of it, both written by Megatron-Core's ``dist_checkpointing.save``:
 
     - ``mcore/``: what 0.16 writes for Megatron-LM's state dict: ``common.pt`` (``args``, ``iteration``, ...), layer
       weights stacked over layers (``decoder.layers.<name>``, ``[num_layers, ...]``), norms under TE names,
@@ -265,6 +265,9 @@ def save_megatron_dist_checkpoints(rank: int, world_size: int, root: str) -> Non
     out = Path(root)
     if rank == 0:
         torch.save(torch.cat(parts, dim=-1)[..., :DIST_VOCAB].clone(), out / "logits.pt")
+    # the same model as a legacy checkpoint: each rank's own state dict (Megatron-Core's TP shards) as its rank file
+    save_rank_file(out / "legacy", rank, 0, model.state_dict(), vocab_size=DIST_VOCAB,
+                   tensor_model_parallel_size=world_size)
     with foreign_class(InferenceCudaGraphScope, FUTURE_ENUM_MODULE):
         args = argparse.Namespace(**{**ARGS, "vocab_size": DIST_VOCAB, "tensor_model_parallel_size": world_size},
                                   attention_backend=AttnBackend.auto, ckpt_format="torch_dist",

@@ -88,8 +88,9 @@ class DistCheckpoint:
         self.metadata_file = path / METADATA_FILE
         self._check_backend()
         if not self.metadata_file.exists():
-            raise ConversionError(f"{path} has *.distcp files but no {METADATA_FILE}: the torch_dist save did not "
-                                  "finish (its last step writes .metadata); use an earlier iteration")
+            files = "*.distcp files but " if any(path.glob("*.distcp")) else ""
+            raise ConversionError(f"{path} has {files}no {METADATA_FILE}: the torch_dist save did not finish (its "
+                                  "last step writes .metadata); use an earlier iteration")
         try:
             with open(self.metadata_file, "rb") as file:
                 metadata = _MetadataUnpickler(file).load()
