@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 import bench_fp8_telemetry as bench  # noqa: E402
@@ -19,3 +20,25 @@ def test_telemetry_adds_at_most_two_ops_per_quantized_tensor(recipe):
     assert on.quantizes == off.quantizes == 3  # input, weight, output gradient
     assert on.ops - off.ops <= BUDGET_PER_TENSOR * on.quantizes, (off.ops, on.ops)
     assert on.host_reads == 0
+
+
+class _QuantizeScales(bench.OpCount):
+    def __init__(self):
+        super().__init__()
+        self.given_scale = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.megafp8.quantize.default:
+            self.given_scale.append(args[4] is not None)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_a_warm_delayed_layer_casts_with_the_given_scale_in_one_pass():
+    """Delayed scaling needs no amax pre-pass: after the first update every quantization of the layer (input,
+    weight, output gradient) is the given-scale cast, one pass that also returns the amax for the history."""
+    x = torch.randn(64, 128)
+    layer = bench._warm_layer("delayed", 128, x)
+    bench.invalidate_fp8_weight_caches(layer)
+    with _QuantizeScales() as seen:
+        layer(x).sum().backward()
+    assert seen.given_scale == [True, True, True]

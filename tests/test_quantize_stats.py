@@ -104,3 +104,19 @@ def test_stats_op_passes_opcheck():
                 (x.to(DEVICE), torch.float8_e5m2, "tensorwise", False, torch.tensor(3.0, device=DEVICE), False,
                  backend, True))
     assert quantize(x, torch.float8_e4m3fn).counts is None  # stats are opt-in
+
+
+@pytest.mark.parametrize("case", ["tensorwise", "rowwise", "given scale"])
+def test_atomic_amax_keeps_nan_where_torch_amax_has_it(case):
+    """The amax passes MAX the tiles' amaxes atomically on their int32 bits: a NaN in one tile (and one column,
+    for the rowwise transposed copy) still reaches the tensor's / its row's / its column's amax and scale."""
+    x = _planted((257, 300), 11)
+    x[200, 260] = float("nan")
+    gran = "tensorwise" if case == "given scale" else case
+    scale = torch.tensor(2.0) if case == "given scale" else None
+    want = quantize_reference(x, E4M3.dtype, gran, scale=scale, transpose=True)
+    got = quantize(x.to(DEVICE), E4M3.dtype, gran, scale=None if scale is None else scale.to(DEVICE), transpose=True,
+                   backend="triton")
+    for name in ("amax", "scale_inv", "scale_inv_t"):
+        torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got.amax.cpu()).any()
