@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-margin", type=int, default=0, help="scales are divided by 2^margin (headroom against growth)")
     g.add_argument("--fp8-power-of-2-scale", action="store_true",
                    help="round every scale to a power of two (exact rescaling, as DeepSeek-V3 / torchao can)")
+    g.add_argument("--no-fp8-fprop-fast-accum", dest="fp8_fprop_fast_accum", action="store_false",
+                   help="accumulate the forward GEMM (x W^T) with fp32 promotion like dgrad/wgrad, instead of the tensor "
+                        "core's fast accumulation over all of K (TransformerEngine's default; docs/fp8.md)")
     g.add_argument("--fp8-param-gather", action="store_true",
                    help="the distributed optimizer casts its shard of each FP8 layer's weight to FP8 and the DP "
                         "all-gather moves FP8 bytes; the layers keep no high-precision weight copy, except a layer "
