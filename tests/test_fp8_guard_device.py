@@ -125,3 +125,13 @@ def test_a_save_between_reads_switches_the_tripped_layer_and_a_reload_keeps_it()
     assert fresh[1].guard_high_precision and not fresh[0].guard_high_precision
     _record(fresh, over)
     assert resumed.check(fresh, 4) == [] and resumed.state_dict()["switched"] == ["1"]
+
+
+def test_a_trip_after_the_last_read_is_not_lost_at_the_end_of_a_run():
+    model = _model(2)
+    guard = SaturationGuard(patience=1, read_interval=10)
+    over = torch.zeros(2, len(ROLES), dtype=torch.int64)
+    over[0, 0] = 500
+    _record(model, over)
+    assert guard.check(model, 3) == []  # 3 is not a read iteration
+    assert guard.take_events() == [{"iteration": 3, "layer": "0", "saturated": 0.5}] and model[0].guard_high_precision

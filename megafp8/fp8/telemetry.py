@@ -82,7 +82,7 @@ class SaturationGuard:
     all-reduce, strikes += 1 or reset, and the iteration and fraction at which a layer first reached
     `patience`: the same strikes, hence the same decisions, as a check that read every step). The host reads
     them only every `read_interval` iterations (the trainer passes --log-interval, when it reads its own
-    counters) and when state_dict() is taken: a layer that tripped in between is switched then, and its event
+    counters) and in state_dict() and take_events(): a layer that tripped in between is switched then, and its event
     names the iteration it tripped at. read_interval=1 switches at the very check that trips, as before.
 
     all_reduce_max: in-place MAX over the ranks that share the layers (the TP x DP group). Every rank must
@@ -134,7 +134,7 @@ class SaturationGuard:
         return layers, [(i, s) for i, (_, module) in enumerate(layers) for s in module.fp8_telemetry.values()]
 
     def _start(self, layers: list[tuple[str, nn.Module]], stats: list) -> None:
-        self._layers, self._device, self._numels = layers, {}, None
+        self._layers, self._device, self._numels, self._unread = layers, {}, None, False
         self._structure = ([n for n, _ in layers], [i for i, _ in stats])
         if not stats:
             return
@@ -162,11 +162,13 @@ class SaturationGuard:
         d["tripped_at"] = torch.where(newly, iteration, d["tripped_at"])
         d["tripped_saturated"] = torch.where(newly, worst, d["tripped_saturated"])
         d["tripped"] = d["tripped"] | newly
+        self._unread = True
 
     def _read(self, iteration: int | None = None) -> None:
         """The one host read: fold the device strikes into `strikes` and switch the layers that tripped."""
-        if not self._device:
+        if not self._device or not self._unread:
             return
+        self._unread = False
         d = self._device
         packed = torch.stack([d["strikes"].double(), d["tripped"].double(), d["tripped_at"].double(),
                               d["tripped_saturated"].double()]).tolist()
@@ -189,11 +191,13 @@ class SaturationGuard:
             self._start([], [])
 
     def take_events(self) -> list[dict]:
+        self._read()  # so a trip after the last read iteration (the run's end) is not lost
         events, self.events = self.events, []
         return events
 
     def state_dict(self) -> dict:
         self._read()  # a checkpoint is a read point: a layer that tripped since the last read switches now
+        # (no read at all when nothing was checked since the last one, e.g. a save on a log iteration)
         return {"strikes": dict(self.strikes), "switched": sorted(self.switched)}
 
     def load_state_dict(self, state: dict, model: nn.Module) -> None:
