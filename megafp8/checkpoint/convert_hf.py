@@ -19,7 +19,8 @@ from torch import nn
 from tqdm import tqdm
 
 from megafp8.checkpoint.atomic import iteration_dir, read_tracker
-from megafp8.checkpoint.fp8_export import BLOCK, QUANTIZATION_CONFIG, quantize_blockwise
+from megafp8.checkpoint.fp8_export import (BLOCK, RECIPE_KEY, fp8_linear_names, quantization_config,
+                                           quantize_blockwise, training_recipe)
 from megafp8.checkpoint.hf_files import (ConversionError, HfTensors, ShardedSafetensorsWriter, atomic_output_dir,
                                          model_config_from_hf_dict, read_hf_config)
 from megafp8.checkpoint.manifest import check_file, read_manifest
@@ -32,7 +33,6 @@ from megafp8.parallel.parallel_state import ParallelState
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer old transformers versions saved
-_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class _LazyChunks(ShardedChunks):
@@ -311,13 +311,15 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     expected = hf_shapes(config)
     hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                  "torch_dtype": str(dtype).removeprefix("torch.")}
-    if save_format == "hf-fp8":
-        hf_config["quantization_config"] = QUANTIZATION_CONFIG
     fp8 = save_format == "hf-fp8"
+    fp8_modules = fp8_linear_names(config.num_layers, reader.manifest.get("args", {})) if fp8 else set()
+    if fp8:
+        hf_config["quantization_config"] = quantization_config(config.num_layers, reader.manifest.get("args", {}))
+        hf_config[RECIPE_KEY] = training_recipe(reader.manifest)
     plan = []
     for name in _hf_order(config):
         shape = expected[name]
-        if fp8 and name.split(".")[-2] in _FP8_LINEARS:
+        if name.removesuffix(".weight") in fp8_modules:
             plan += [(name, shape, torch.float8_e4m3fn),
                      (name + "_scale_inv", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), torch.float32)]
         else:
@@ -329,7 +331,7 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
             if tuple(tensor.shape) != expected[name]:
                 raise ConversionError(f"{reader.path}: {name} has shape {list(tensor.shape)}, the saved flags "
                                       f"imply {list(expected[name])}")
-            if fp8 and name.split(".")[-2] in _FP8_LINEARS:
+            if name.removesuffix(".weight") in fp8_modules:
                 weight, scale_inv = quantize_blockwise(tensor)
                 writer.add(name, weight)
                 writer.add(name + "_scale_inv", scale_inv)

@@ -1,7 +1,10 @@
 """128x128 block-scaled E4M3 weights, the layout of DeepSeek-V3-style FP8 checkpoints (``weight`` in
 float8_e4m3fn plus a float32 ``weight_scale_inv`` of shape [ceil(out/128), ceil(in/128)], where
-``weight ≈ fp8.float() * weight_scale_inv`` expanded block-wise)."""
+``weight ≈ fp8.float() * weight_scale_inv`` expanded block-wise), and the ``config.json`` fields that describe it."""
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -9,6 +12,45 @@ BLOCK = 128
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [BLOCK, BLOCK]}
+# the HF Llama linears of a decoder layer (``model.layers.N.<module>``) that the export may store in FP8
+HF_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# the training flags that say how the weights were trained (their names in the manifest and the training entry)
+RECIPE_FLAGS = ("fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
+                "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp8_saturation_guard", "bf16",
+                "activation", "master_weight_dtype", "optimizer_state_dtype")
+RECIPE_KEY = "megafp8_training_recipe"  # config.json key; transformers keeps unknown keys through save_pretrained
+
+
+def bf16_layers(num_layers: int, saved_args: Mapping[str, Any]) -> list[int]:
+    """The decoder layers the run kept in BF16 (``--first-last-layers-bf16 N``: the first and last N, also under
+    FP8); the export keeps their linears in bf16 too, so it does not quantize what training never did."""
+    keep = saved_args.get("first_last_layers_bf16") or 0
+    if not saved_args.get("fp8_format") or not isinstance(keep, int) or keep <= 0:
+        return []
+    return sorted(set(range(min(keep, num_layers))) | set(range(max(num_layers - keep, 0), num_layers)))
+
+
+def fp8_linear_names(num_layers: int, saved_args: Mapping[str, Any]) -> set[str]:
+    """The HF module names (``model.layers.N.self_attn.q_proj`` ...) stored in block FP8."""
+    kept = set(bf16_layers(num_layers, saved_args))
+    return {f"model.layers.{i}.{linear}" for i in range(num_layers) if i not in kept for linear in HF_LAYER_LINEARS}
+
+
+def quantization_config(num_layers: int, saved_args: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's ``quantization_config``: DeepSeek-V3's fields, plus ``modules_to_not_convert`` naming every
+    linear kept in bf16 (``lm_head``, and the layers the run trained in BF16), which transformers'
+    FineGrainedFP8Config reads (and vLLM's Fp8Config when it finds no ``ignored_layers``)."""
+    kept = ["lm_head"] + [f"model.layers.{i}.{linear}" for i in bf16_layers(num_layers, saved_args)
+                          for linear in HF_LAYER_LINEARS]
+    return {**QUANTIZATION_CONFIG, "modules_to_not_convert": kept}
+
+
+def training_recipe(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's ``megafp8_training_recipe``: the checkpoint's iteration and the precision flags it was trained
+    with, from its manifest (a checkpoint converted from another format has none of them: only the iteration)."""
+    saved = manifest.get("args", {})
+    return {"iteration": manifest.get("iteration", 0), **{k: saved[k] for k in RECIPE_FLAGS if k in saved}}
 
 
 def _blocked(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
