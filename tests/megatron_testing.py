@@ -216,10 +216,36 @@ def _megatron_core_on_cpu() -> None:
     multiprocessing.current_process().daemon = False
 
 
+def _megatron_core_gpt(tp: int, pp: int):
+    """Megatron-Core 0.16's GPTModel as ``ARGS`` describes it (local spec, RMSNorm, SwiGLU, GQA, RoPE, untied), this
+    rank's part of it at TP=``tp`` x PP=``pp`` (model parallel state initialized here), in eval mode."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(0)  # the same on every rank: use_cpu_initialization draws each full weight, then slices it
+    config = TransformerConfig(num_layers=ARGS["num_layers"], hidden_size=ARGS["hidden_size"],
+                               ffn_hidden_size=ARGS["ffn_hidden_size"], num_attention_heads=ARGS["num_attention_heads"],
+                               num_query_groups=ARGS["num_query_groups"], normalization="RMSNorm",
+                               layernorm_epsilon=ARGS["norm_epsilon"], gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               pipeline_dtype=torch.float32)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=ARGS["padded_vocab_size"],
+                    max_sequence_length=ARGS["max_position_embeddings"], position_embedding_type="rope",
+                    rotary_base=ARGS["rotary_base"], share_embeddings_and_output_weights=False,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage()).eval()
+
+
 def save_megatron_dist_checkpoints(rank: int, world_size: int, root: str) -> None:
-    """A Megatron-Core 0.16 GPTModel (local spec, RMSNorm, SwiGLU, GQA, RoPE, untied) at TP=``world_size``: its own
-    forward's logits on ``DIST_TOKENS`` (``logits.pt``), its per-rank state dicts as legacy rank files (``legacy/``)
-    and two ``torch_dist`` checkpoints of it, both written by Megatron-Core's ``dist_checkpointing.save``:
+    """A Megatron-Core 0.16 GPTModel at TP=``world_size``: its own forward's logits on ``DIST_TOKENS``
+    (``logits.pt``), its per-rank state dicts as legacy rank files (``legacy/``) and ``torch_dist`` checkpoints of
+    it, all written by Megatron-Core's ``dist_checkpointing.save``:
 
     - ``mcore/``: what 0.16 writes for Megatron-LM's state dict: ``common.pt`` (``args``, ``iteration``, ...), layer
       weights stacked over layers (``decoder.layers.<name>``, ``[num_layers, ...]``), norms under TE names,
@@ -227,32 +253,20 @@ def save_megatron_dist_checkpoints(rank: int, world_size: int, root: str) -> Non
     - ``lm/``: the layout of Megatron-LM's current save_checkpoint (built from Megatron-Core 0.16's primitives,
       Megatron-LM's training code not being installed): no ``common.pt``, the common state a ``ShardedObject``
       ``common_state`` inside the DCP files, one key per global layer and ``linear_fc1`` as ``weight_w`` /
-      ``weight_v`` halves (``singleton_local_shards``).
-    Both ``args`` hold Megatron-Core's own enum and one of a class 0.16 does not have."""
+      ``weight_v`` halves (``singleton_local_shards``);
+    - ``pp2/``: the same weights at TP=1 x PP=``world_size``, loaded by Megatron-Core's own (resharding)
+      ``dist_checkpointing.load`` from a TP checkpoint, saved again as ``mcore/`` is.
+    The ``args`` hold Megatron-Core's own enum and one of a class 0.16 does not have."""
     import contextlib
 
-    import torch.nn.functional as F
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     _megatron_core_on_cpu()
-    parallel_state.initialize_model_parallel(world_size, 1)
     # eval mode: attention dropout is off, but Megatron still enters its CUDA RNG tracker around it
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    torch.manual_seed(0)  # the same on every rank: use_cpu_initialization draws each full weight, then slices it
-    config = TransformerConfig(num_layers=ARGS["num_layers"], hidden_size=ARGS["hidden_size"],
-                               ffn_hidden_size=ARGS["ffn_hidden_size"], num_attention_heads=ARGS["num_attention_heads"],
-                               num_query_groups=ARGS["num_query_groups"], normalization="RMSNorm",
-                               layernorm_epsilon=ARGS["norm_epsilon"], gated_linear_unit=True, activation_func=F.silu,
-                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
-                               tensor_model_parallel_size=world_size)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=ARGS["padded_vocab_size"],
-                     max_sequence_length=ARGS["max_position_embeddings"], position_embedding_type="rope",
-                     rotary_base=ARGS["rotary_base"], share_embeddings_and_output_weights=False).eval()
+    model = _megatron_core_gpt(world_size, 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "layernorm" in name:
@@ -268,24 +282,34 @@ def save_megatron_dist_checkpoints(rank: int, world_size: int, root: str) -> Non
     # the same model as a legacy checkpoint: each rank's own state dict (Megatron-Core's TP shards) as its rank file
     save_rank_file(out / "legacy", rank, 0, model.state_dict(), vocab_size=DIST_VOCAB,
                    tensor_model_parallel_size=world_size)
+
+    def save(layout: str, state: dict) -> Path:
+        directory = out / layout / "iter_0000010"
+        if rank == 0:
+            directory.mkdir(parents=True)
+            (out / layout / "latest_checkpointed_iteration.txt").write_text("10")
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1))
+        return directory
+
+    # for Megatron's own load below: a common.pt its weights_only torch.load accepts (no enum of a newer version)
+    plain = save("tp_plain", {"model": model.sharded_state_dict(), "iteration": 10})
     with foreign_class(InferenceCudaGraphScope, FUTURE_ENUM_MODULE):
-        args = argparse.Namespace(**{**ARGS, "vocab_size": DIST_VOCAB, "tensor_model_parallel_size": world_size},
-                                  attention_backend=AttnBackend.auto, ckpt_format="torch_dist",
-                                  inference_cuda_graph_scope=InferenceCudaGraphScope.block)
-        common = {"args": args, "checkpoint_version": 3.0, "iteration": 10, "num_floating_point_operations_so_far": 0}
-        for layout in ("mcore", "lm"):
-            directory = out / layout / "iter_0000010"
-            if rank == 0:
-                directory.mkdir(parents=True)
-                (out / layout / "latest_checkpointed_iteration.txt").write_text("10")
-            torch.distributed.barrier()
-            if layout == "mcore":
-                state = {"model": model.sharded_state_dict(), **common}
-            else:
-                state = {"model": model.sharded_state_dict(metadata={"singleton_local_shards": True}),
-                         "common_state": ShardedObject("common_state", common, (1,), (0,), replica_id=rank)}
-            dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1))
-            if layout == "lm" and rank == 0:
-                leftover = torch.load(directory / "common.pt", weights_only=False)
-                assert not any(leftover.values()), leftover  # nothing but empty containers left outside the DCP
-                (directory / "common.pt").unlink()
+        def common(tp: int, pp: int) -> dict:
+            args = argparse.Namespace(**{**ARGS, "vocab_size": DIST_VOCAB, "tensor_model_parallel_size": tp,
+                                         "pipeline_model_parallel_size": pp},
+                                      attention_backend=AttnBackend.auto, ckpt_format="torch_dist",
+                                      inference_cuda_graph_scope=InferenceCudaGraphScope.block)
+            return {"args": args, "checkpoint_version": 3.0, "iteration": 10, "num_floating_point_operations_so_far": 0}
+
+        save("mcore", {"model": model.sharded_state_dict(), **common(world_size, 1)})
+        directory = save("lm", {"model": model.sharded_state_dict(metadata={"singleton_local_shards": True}),
+                                "common_state": ShardedObject("common_state", common(world_size, 1), (1,), (0,),
+                                                              replica_id=rank)})
+        if rank == 0:
+            leftover = torch.load(directory / "common.pt", weights_only=False)
+            assert not any(leftover.values()), leftover  # nothing but empty containers left outside the DCP
+            (directory / "common.pt").unlink()
+        staged = _megatron_core_gpt(1, world_size)
+        staged.load_state_dict(dist_checkpointing.load({"model": staged.sharded_state_dict()}, str(plain))["model"])
+        save("pp2", {"model": staged.sharded_state_dict(), **common(1, world_size)})

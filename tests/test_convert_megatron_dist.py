@@ -5,7 +5,8 @@ two torch_dist checkpoints written by its own ``dist_checkpointing.save`` (``tes
 0.16's layout with ``common.pt`` and layers stacked over layers; Megatron-LM's current layout with the common
 state inside the DCP files, one key per layer and ``linear_fc1`` in halves). Converted, exported to HF and run
 in transformers they give Megatron's logits; the second converts to the same bytes with every ``megatron``
-import blocked, and so do the model's own TP=2 state dicts written as legacy rank files. Damaged copies fail with one ConversionError naming the file or key, writing nothing."""
+import blocked, and so do a TP=1 x PP=2 save of the same weights and the model's own TP=2 state dicts written
+as legacy rank files. Damaged copies fail with one ConversionError naming the file or key, writing nothing."""
 import pickle
 import shutil
 from pathlib import Path
@@ -60,9 +61,11 @@ def test_megatron_lm_layout_converts_the_same_without_megatron(megatron_dist, tm
     assert sorted(ours) == sorted(reference) and all(torch.equal(ours[k], reference[k]) for k in ours)
 
 
-def test_megatron_core_tp2_shards_as_legacy_rank_files_convert_the_same(megatron_dist, tmp_path):
-    """Megatron-Core's own TP=2 shards (per-rank ``[gate_r; up_r]``) through the legacy path: the same weights."""
-    megatron_to_megafp8(megatron_dist / "legacy", tmp_path / "m8", progress=False)
+@pytest.mark.parametrize("layout", ["pp2", "legacy"])
+def test_other_layouts_of_the_model_convert_the_same(megatron_dist, tmp_path, layout):
+    """The TP=1 x PP=2 torch_dist save (after Megatron-Core's own resharding load), and Megatron-Core's own TP=2
+    shards (per-rank ``[gate_r; up_r]``) as legacy rank files: the same weights."""
+    megatron_to_megafp8(megatron_dist / layout, tmp_path / "m8", progress=False)
     ours, reference = checkpoint_tensors(tmp_path / "m8"), checkpoint_tensors(megatron_dist / "mcore_m8")
     assert sorted(ours) == sorted(reference) and all(torch.equal(ours[k], reference[k]) for k in ours)
 
