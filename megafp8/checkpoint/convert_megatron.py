@@ -124,7 +124,8 @@ def _config(flags: dict[str, Any], source: str, *, global_keys: bool = False) ->
 
 def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration: int | None = None,
                         target_tp: int = 1, target_pp: int = 1, progress: bool = True) -> ModelConfig:
-    """Convert a Megatron-LM legacy checkpoint (any TP/PP) into a megafp8 checkpoint at iteration 0.
+    """Convert a Megatron-LM checkpoint (legacy rank files at any TP/PP, or ``torch_dist`` saved at any TP/PP/DP,
+    told apart by the iteration directory's contents) into a megafp8 checkpoint at iteration 0.
 
     The vocab is the checkpoint's ``--vocab-size`` when saved, else its padded vocab (extra rows kept)."""
     load_dir = Path(load_dir)
