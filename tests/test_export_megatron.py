@@ -16,6 +16,7 @@ from distributed_testing import run_distributed
 from megafp8.checkpoint.convert_hf import hf_to_megafp8
 from megafp8.checkpoint.convert_megatron import megatron_to_megafp8
 from megafp8.checkpoint.export_megatron import megafp8_to_megatron
+from megafp8.checkpoint.hf_files import ConversionError
 
 # (tied, TP, PP) layouts the Megatron-Core model loads; a tied model is not built with stages (Megatron-Core's
 # tied-embedding setup over a pipeline moves the weight to CUDA)
@@ -148,12 +149,12 @@ def test_megatron_core_loads_the_export_strictly_and_it_round_trips(tmp_path):
 
 def test_megatron_export_errors_name_the_flag(tmp_path):
     tiny_hf_llama(tmp_path / "hf", tie=False, num_layers=2)
-    assert convert("--load-format", "hf", "--save-format", "megafp8", "--load-dir", tmp_path / "hf",
-                   "--save-dir", tmp_path / "m8").returncode == 0
-    for flags, message in ((("--target-tensor-parallel-size", "3"), "--target-tensor-parallel-size 3 does not divide"),
-                           (("--target-pipeline-parallel-size", "3"), "--target-pipeline-parallel-size 3 does not"),
-                           (("--make-vocab-size-divisible-by", "0"), "--make-vocab-size-divisible-by must be")):
-        result = convert("--load-format", "megafp8", "--save-format", "megatron", "--load-dir", tmp_path / "m8",
-                         "--save-dir", tmp_path / "out", *flags)
-        assert result.returncode == 1 and message in result.stderr, result.stderr
-        assert not (tmp_path / "out").exists()
+    hf_to_megafp8(tmp_path / "hf", tmp_path / "m8", progress=False)
+    result = convert("--load-format", "megafp8", "--save-format", "megatron", "--load-dir", tmp_path / "m8",
+                     "--save-dir", tmp_path / "out", "--target-tensor-parallel-size", "3")
+    assert result.returncode == 1 and "--target-tensor-parallel-size 3 does not divide" in result.stderr, result.stderr
+    for options, message in (({"target_pp": 3}, "--target-pipeline-parallel-size 3 does not divide"),
+                             ({"make_vocab_size_divisible_by": 0}, "--make-vocab-size-divisible-by must be")):
+        with pytest.raises(ConversionError, match=message):
+            megafp8_to_megatron(tmp_path / "m8", tmp_path / "out", progress=False, **options)
+    assert not (tmp_path / "out").exists()
