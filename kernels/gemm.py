@@ -13,7 +13,10 @@ all of K instead of promoting every 128.
 Hopper shape of the kernel: A and B arrive by TMA (host tensor descriptors; K padded to a multiple of 16
 when TMA's 16-byte stride rule needs it), a persistent grid of one program per SM walks the tiles in
 grouped order, and Triton pipelines the loads over num_stages. tools/bench/kernel_audit.py checks the
-sm_90a compile offline (registers, spills, wgmma.wait_group, cp.async.bulk.tensor).
+sm_90a compile offline (registers, spills, wgmma.wait_group, cp.async.bulk.tensor, SASS waits).
+The precise path here waits for each K step's wgmma before promoting it (Triton's pipeliner only keeps a
+dot in flight when its result feeds the next dot); gemm_hopper.py's Gluon kernel, same arguments and
+promotion, keeps the next step's wgmma in flight during it (MEGAFP8_GEMM_PRECISE_KERNEL=gluon, Hopper).
 """
 from __future__ import annotations
 
@@ -90,20 +93,28 @@ def _fp8_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, sa_ptr, sb_ptr, M, N, K,
                 else:
                     acc += partial
 
-        # ---- epilogue ----
-        if SCALE_MODE == 0:
-            acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
-        elif SCALE_MODE == 1:
-            sa = tl.load(sa_ptr + offs_m * stride_sa_m, mask=m_ok, other=0.0)
-            sb = tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_ok, other=0.0)
-            acc = acc * sa[:, None] * sb[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-        c_mask = m_ok[:, None] & n_ok[None, :]
-        if ACCUMULATE:
-            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        _epilogue(acc, c_ptr, bias_ptr, sa_ptr, sb_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, stride_sa_m,
+                  stride_sb_n, SCALE_MODE, HAS_BIAS, ACCUMULATE)
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, bias_ptr, sa_ptr, sb_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, stride_sa_m, stride_sb_n,
+              SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """Tensorwise/rowwise scales, bias, accumulate into C, masked store. Shared with gemm_hopper.py's Gluon
+    kernel (a @triton.jit function called from Gluon takes the caller's layouts)."""
+    if SCALE_MODE == 0:
+        acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+    elif SCALE_MODE == 1:
+        sa = tl.load(sa_ptr + offs_m * stride_sa_m, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + offs_n * stride_sb_n, mask=n_ok, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]  # int64: C may pass 2**31
+    c_mask = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -152,6 +163,15 @@ SM90_REJECTED_CONFIGS = [
     _config(128, 128, 128, 3, 4),
 ]
 AUTOTUNE_ENV_VAR = "MEGAFP8_GEMM_AUTOTUNE"  # "0": the default (non-spilling) config, no tuning sweep
+# "gluon": the precise path (no fast_accum) runs gemm_hopper.py's kernel on Hopper, with one wgmma group in
+# flight while the previous K step is promoted (SASS-checked offline by kernel_audit.py, not yet timed or
+# checked on a GPU: opt-in until gpu_check.sh has compared it with the twin). Unset / "triton": this file's.
+PRECISE_KERNEL_ENV_VAR = "MEGAFP8_GEMM_PRECISE_KERNEL"
+# The Gluon kernel holds acc + two partials live. At 128x128 over 8 warps that is 3 x 64 registers and it
+# spilled 8-72 bytes at odd sizes with a bias and accumulate (1x128 x 1x128 scales, 32 registers per set of
+# column scales, spilled without them); 128x64 (3 x 32) fits every case: 186-208 registers, four stages to
+# keep 96 KB of loads in flight (kernel_audit.py).
+SM90_PROMOTED_CONFIG = _config(128, 64, 128, 4, 8)
 _INTERPRETER_CONFIG = _config(32, 32, BLOCK, 1, 4, group=2)
 
 
@@ -181,10 +201,13 @@ def fp8_gemm_triton(
     accumulate: bool = False,
     fast_accum: bool = False,
     config: triton.Config | None = None,
+    precise_kernel: str | None = None,
 ):
     """Triton twin of `fp8_gemm_reference` (same arguments). `fast_accum` (tensorwise/rowwise only, meant for
     fprop) accumulates over all of K in the tensor core instead of promoting every 128. `config` forces one
-    launch config and then returns (out, Triton's compiled kernel) so tools can read its resources."""
+    launch config and then returns (out, Triton's compiled kernel) so tools can read its resources.
+    `precise_kernel` ("triton" or "gluon"; default from MEGAFP8_GEMM_PRECISE_KERNEL) picks the Hopper kernel
+    of the precise path."""
     mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
     if fast_accum and mode not in (GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE):
         raise ValueError(f"fast_accum=True is for tensorwise/rowwise GEMMs; {mode.value} promotes every 128 of K")
@@ -194,6 +217,16 @@ def fp8_gemm_triton(
     elif not out.is_contiguous():
         raise ValueError("fp8_gemm's `out` must be contiguous")
     a, b = _tma_ready(a), _tma_ready(b)
+    # The kernels' arguments after the A/B descriptors (those depend on the kernel and its block shapes).
+    operands = (out, bias if bias is not None else out, scale_a, scale_b, M, N, K,
+                out.stride(0), *_scale_strides(scale_a), *_scale_strides(scale_b))
+    meta = dict(SCALE_MODE=_MODE[mode], HAS_BIAS=bias is not None, ACCUMULATE=accumulate)
+    if _use_promoted_kernel(a.device, fast_accum, precise_kernel):
+        from . import gemm_hopper
+
+        kernel = gemm_hopper.launch(a, b, operands, meta, config or SM90_PROMOTED_CONFIG, _num_programs(a.device))
+        return (out, kernel) if config is not None else out
+    meta["FAST_ACCUM"] = fast_accum
     if config is None:
         if _interpreting():
             config = _INTERPRETER_CONFIG
@@ -210,9 +243,7 @@ def fp8_gemm_triton(
     blocks = config.kwargs if config is not None else {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": BLOCK}
     a_desc = TensorDescriptor.from_tensor(a, [blocks["BLOCK_M"], blocks["BLOCK_K"]])
     b_desc = TensorDescriptor.from_tensor(b, [blocks["BLOCK_N"], blocks["BLOCK_K"]])
-    args = (a_desc, b_desc, out, bias if bias is not None else out, scale_a, scale_b, M, N, K,
-            out.stride(0), *_scale_strides(scale_a), *_scale_strides(scale_b))
-    meta = dict(SCALE_MODE=_MODE[mode], HAS_BIAS=bias is not None, ACCUMULATE=accumulate, FAST_ACCUM=fast_accum)
+    args = (a_desc, b_desc, *operands)
     if config is not None:
         kernel = _launch(args, meta, config, _num_programs(a.device))
         return (out, kernel) if returns_kernel else out
@@ -220,6 +251,16 @@ def fp8_gemm_triton(
     grid = lambda cfg: (min(programs, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])),)  # noqa: E731
     _autotuned_kernel(hopper)[grid](*args, **meta)
     return out
+
+
+def _use_promoted_kernel(device: torch.device, fast_accum: bool, precise_kernel: str | None) -> bool:
+    """Whether the precise path runs gemm_hopper.py's Gluon kernel (Hopper or the offline audit only)."""
+    choice = precise_kernel or os.environ.get(PRECISE_KERNEL_ENV_VAR) or "triton"
+    if choice not in ("triton", "gluon"):
+        raise ValueError(f"{PRECISE_KERNEL_ENV_VAR}={choice!r}: expected 'triton' or 'gluon'")
+    if choice == "triton" or fast_accum or _interpreting():
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9  # CPU: compile-only audit
 
 
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:

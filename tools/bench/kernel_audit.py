@@ -77,12 +77,18 @@ def ptxas_path() -> str | None:
 
 
 def ptxas_resources(ptx: str, ptxas: str) -> dict:
-    """Registers, spill bytes and stack frame from `ptxas -arch=sm_90a -v` of one kernel's PTX."""
+    """Registers, spill bytes and stack frame from `ptxas -arch=sm_90a -v` of one kernel's PTX, and the
+    wgmma waits of the SASS it produced (sass_wait_features)."""
+    nvdisasm = Path(ptxas).with_name("nvdisasm")
     with tempfile.TemporaryDirectory() as scratch:
-        src = Path(scratch) / "k.ptx"
+        src, cubin = Path(scratch) / "k.ptx", Path(scratch) / "k.cubin"
         src.write_text(ptx)
-        result = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(scratch) / "k.cubin")],
+        result = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
                                 capture_output=True, text=True, timeout=300)
+        sass = ""
+        if result.returncode == 0 and nvdisasm.exists():
+            sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
+                                  timeout=300).stdout
     log = result.stdout + result.stderr
     if result.returncode != 0:
         raise RuntimeError(f"ptxas failed: {log[-500:]}")
@@ -92,7 +98,35 @@ def ptxas_resources(ptx: str, ptxas: str) -> dict:
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spills.group(1)) if spills else 0,
             "spill_load_bytes": int(spills.group(2)) if spills else 0,
-            "stack_bytes": int(stack.group(1)) if stack else 0}
+            "stack_bytes": int(stack.group(1)) if stack else 0,
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log,
+            **sass_wait_features(sass)}
+
+
+def sass_wait_features(sass: str) -> dict:
+    """Whether a wgmma group really stays in flight, read from SASS, where ptxas's own waits show.
+
+    A PTX `wgmma.wait_group 1` is not enough: when code reads a wgmma's registers before its wait, ptxas
+    inserts `WARPGROUP.DEPBAR.LE gsb0, 0x0` itself (right before the PTX's wait 1, e.g. Triton's
+    max_num_imprecise_acc promotion). Counted as in flight: a `DEPBAR.LE gsb0, N >= 1` whose previous
+    wgmma-ordering instruction is a wgmma (QGMMA/HGMMA...), not another wait, and FP math (FMUL/FFMA/FADD)
+    before the next wait is counted too (per kernel, all such windows): work the CUDA cores do while the
+    tensor cores still run, e.g. the blockwise promotion of the previous K step."""
+    if not sass:
+        return {"sass_wait_in_flight": None, "sass_math_under_wait": None}
+    events = re.findall(r"(\w*GMMA\.|WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)|\bF(?:MUL|FMA|ADD)\b)", sass)
+    in_flight, math_under_wait = False, 0
+    previous, open_window = None, False
+    for token, count in events:
+        if token.endswith("GMMA."):
+            previous, open_window = "mma", False
+        elif token.startswith("WARPGROUP"):
+            real = int(count, 16) >= 1 and previous == "mma"
+            in_flight |= real
+            previous, open_window = "wait", real
+        elif open_window:
+            math_under_wait += 1
+    return {"sass_wait_in_flight": in_flight, "sass_math_under_wait": math_under_wait}
 
 
 def ptx_features(ptx: str) -> dict:
@@ -147,7 +181,13 @@ def gemm_cases(quick: bool):
                 for fast in ((False, True) if mode in (GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE) else (False,)):
                     if quick and (M, N, K) != shapes[0] and mode != GemmScaleMode.BLOCKWISE:
                         continue
-                    yield config, offered, mode, (M, N, K), fast
+                    yield config, offered, mode, (M, N, K), fast, "triton"
+    # The precise path's Gluon kernel (gemm_hopper.py, MEGAFP8_GEMM_PRECISE_KERNEL=gluon): every mode, both sizes.
+    for mode in modes:
+        for M, N, K in shapes:
+            if quick and (M, N, K) != shapes[0] and mode != GemmScaleMode.BLOCKWISE:
+                continue
+            yield G.SM90_PROMOTED_CONFIG, True, mode, (M, N, K), False, "gluon"
 
 
 def _scales(mode, M, N, K):
@@ -166,31 +206,43 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
 
     from megafp8_kernels import gemm as G
     from megafp8_kernels import quantize_triton as Q
+    try:  # Gluon's Hopper API moves between Triton releases: without it, its rows fail and the rest still run
+        from megafp8_kernels.gemm_hopper import HOPPER_GEMM_KERNEL_NAME as GLUON_GEMM_KERNEL_NAME
+    except ImportError as err:
+        GLUON_GEMM_KERNEL_NAME, gluon_error = None, f"Gluon kernel unavailable: {err}"
 
     ptxas = ptxas_path()
     rows, failures = [], []
-    for case_index, (config, offered, mode, (M, N, K), fast) in enumerate(gemm_cases(quick)):
+    for case_index, (config, offered, mode, (M, N, K), fast, precise_kernel) in enumerate(gemm_cases(quick)):
         if case_index % shard[1] != shard[0]:
             continue
         c = config.kwargs
         label = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
-        if config is G.SM90_DEFAULT_CONFIG:
+        if precise_kernel == "gluon":
+            label += " gluon"
+        elif config is G.SM90_DEFAULT_CONFIG:
             label += " (default)"
         name = f"{mode.value}{' fast-accum' if fast else ''} {M}x{N}x{K}"
         a = torch.zeros(M, K, dtype=torch.float8_e4m3fn)
         b = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
         sa, sb = _scales(mode, M, N, K)
-        row = {"kernel": "fp8_gemm", "config": label, "case": name, "offered": offered}
+        row = {"kernel": "fp8_gemm", "config": label, "case": name, "offered": offered, "precise_kernel": precise_kernel}
         try:
+            if precise_kernel == "gluon" and GLUON_GEMM_KERNEL_NAME is None:
+                raise RuntimeError(gluon_error)
             with CompileRecorder() as rec:
-                G.fp8_gemm_triton(a, b, sa, sb, out_dtype=torch.bfloat16, config=config, fast_accum=fast)
-            (fn_name, kernel), = [k for k in rec.kernels if k[0] == G.GEMM_KERNEL_NAME]
+                G.fp8_gemm_triton(a, b, sa, sb, out_dtype=torch.bfloat16, config=config, fast_accum=fast,
+                                  precise_kernel=precise_kernel)
+            (fn_name, kernel), = [k for k in rec.kernels if k[0] in (G.GEMM_KERNEL_NAME, GLUON_GEMM_KERNEL_NAME)]
             row.update(_describe(kernel, ptxas))
         except Exception as err:
             row["error"] = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
         rows.append(row)
         if offered and ("error" in row or row.get("spill_store_bytes") or row.get("spill_load_bytes")):
             failures.append(f"gemm {label} {name}: {row.get('error') or 'spills'}")
+        elif (fast or precise_kernel == "gluon") and ptxas and not (row.get("sass_wait_in_flight")
+                                                                   and not row.get("wgmma_serialized")):
+            failures.append(f"gemm {label} {name}: no wgmma group in flight in the SASS mainloop")
 
     if shard[0] != 0:  # the quantize kernels go with the first shard
         return rows, failures
@@ -225,17 +277,21 @@ def _describe(kernel, ptxas: str | None) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| kernel | config | case | registers | spill bytes (st/ld) | shared KB | max wgmma.wait_group | TMA |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | config | case | registers | spill bytes (st/ld) | shared KB | max wgmma.wait_group (PTX) "
+             "| wgmma in flight (SASS) | TMA |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         config = r["config"] + ("" if r["offered"] else " (not offered)")
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {config} | {r['case']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['kernel']} | {config} | {r['case']} | failed: {r['error']} | | | | | |")
             continue
         wait = "-" if r["max_wgmma_wait_group"] is None else str(r["max_wgmma_wait_group"])
+        flight = {None: "-", False: "no", True: "yes"}[r.get("sass_wait_in_flight") if r["wgmma"] else None]
+        if flight == "yes" and r.get("sass_math_under_wait"):
+            flight = f"yes, {r['sass_math_under_wait']} FP ops under it"
         lines.append(f"| {r['kernel']} | {config} | {r['case']} | {r.get('registers')} | "
                      f"{r.get('spill_store_bytes')}/{r.get('spill_load_bytes')} | {r['shared_bytes'] / 1024:.0f} | "
-                     f"{wait} | {'yes' if r['tma_loads'] else 'no'} |")
+                     f"{wait} | {flight} | {'yes' if r['tma_loads'] else 'no'} |")
     return "\n".join(lines)
 
 
