@@ -3,18 +3,20 @@
 Why Gluon: Triton's loop pipeliner makes a `tl.dot` "properly async" only when its result feeds the next
 dot's accumulator; a result that fp32 code reads (the promotion `acc += partial * sa * sb`) gets a
 `wgmma.wait_group 0` right after the dot, and ptxas serializes any register read of an in-flight wgmma
-anyway (WARPGROUP.DEPBAR 0 before it, even under a PTX `wait_group 1`). Gluon states the schedule:
+anyway (WARPGROUP.DEPBAR 0 before it, even under a PTX `wait_group 1`). Gluon states the schedule, per
+pair of K steps (an odd last step alone):
 
-    issue wgmma(k) into partial register set B          (tensor cores busy with step k)
-    warpgroup_mma_wait(1): wgmma(k-1) in set A is done   (step k stays in flight)
-    refill the ring slot step k-1 read, by TMA
-    acc += A * sa[:, k-1] * sb[k-1]                      (CUDA cores, overlapped with step k)
+    issue wgmma(k) into register set A, wgmma(k+1) into set B
+    warpgroup_mma_wait(1): step k is done, step k+1 stays in flight
+    refill step k's ring slot by TMA; acc += A * sa[:, k] * sb[k]     (CUDA cores, under step k+1)
+    warpgroup_mma_wait(0); refill step k+1's slot; acc += B * sa[:, k+1] * sb[k+1]
 
-The K loop is unrolled by two so the sets A and B stay in fixed registers (a loop-carried copy of an
-in-flight accumulator would make ptxas wait). The promotion's arithmetic and order are exactly the
-Triton kernel's (gemm.py, `_promote`), so both give the same bits. Same arguments and persistent grouped
-grid as gemm.py's kernel; the interpreter cannot run Gluon, so CPU tests run gemm.py's twin kernel and
-tools/bench/kernel_audit.py checks this one's sm_90a SASS offline.
+Nothing stays in flight across the loop's back edge (a loop-carried in-flight accumulator gets copied
+there, and ptxas then serializes every wgmma). The promotion is the Triton kernel's expression in the
+same order (`acc += partial * sa[:, None] * sb[None, :]`, K steps ascending), so both round alike;
+tests/test_gemm_promotion.py checks the order bit-exactly for gemm.py's kernel in the interpreter (which
+cannot run Gluon) and, within the GPU's FMA contraction, for this one on a Hopper GPU (gpu-marked). Same arguments, persistent grouped grid
+and epilogue as gemm.py's kernel; tools/bench/kernel_audit.py checks this one's sm_90a SASS offline.
 """
 from __future__ import annotations
 
