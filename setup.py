@@ -17,9 +17,10 @@ setup(
     ],
     extras_require={
         # Peers the tests compare against: transformers (HF Llama), megatron-core (.bin/.idx, data order, LR
-        # schedule), torchao (low-bit AdamW); tensorboard and matplotlib are what the reports write with.
+        # schedule), torchao (low-bit AdamW), accelerate (transformers needs it to load an FP8 export);
+        # tensorboard and matplotlib are what the reports write with.
         "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
-                 "tensorboard", "matplotlib"],
+                 "tensorboard", "matplotlib", "accelerate"],
         "data": ["sentencepiece", "tokenizers"],
         # What --tensorboard-dir writes with; the README's main job (examples/quickstart.sh) installs
         # `.[data,tensorboard]`, exactly what it runs (tests/test_quickstart.py runs that line in a fresh venv).
