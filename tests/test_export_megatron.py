@@ -158,3 +158,15 @@ def test_megatron_export_errors_name_the_flag(tmp_path):
         with pytest.raises(ConversionError, match=message):
             megafp8_to_megatron(tmp_path / "m8", tmp_path / "out", progress=False, **options)
     assert not (tmp_path / "out").exists()
+
+
+def test_llama3_rope_scaling_travels_to_megatron_and_back(tmp_path):
+    """Megatron-LM's --use-rope-scaling / --rope-scaling-factor are written, and read back into the same RoPE."""
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    tiny_hf_llama(tmp_path / "hf", tie=True, num_layers=2, max_position_embeddings=16384, rope_scaling=rope)
+    source = hf_to_megafp8(tmp_path / "hf", tmp_path / "m8", progress=False)
+    megafp8_to_megatron(tmp_path / "m8", tmp_path / "mg", progress=False)
+    back = megatron_to_megafp8(tmp_path / "mg", tmp_path / "back", progress=False)
+    assert back.use_rope_scaling and back.rope_scaling == source.rope_scaling
+    assert (back.rope_scaling.factor, back.rope_scaling.original_max_position_embeddings) == (32.0, 8192)

@@ -119,7 +119,15 @@ def _config(flags: dict[str, Any], source: str, *, global_keys: bool = False) ->
                        max_position_embeddings=get("max_position_embeddings") or get("seq_length"),
                        norm_eps=get("norm_epsilon", 1e-5), rope_theta=get("rotary_base", 10000),
                        tie_embeddings=not get("untie_embeddings_and_output_weights", False),
-                       init_method_std=get("init_method_std", 0.02))
+                       init_method_std=get("init_method_std", 0.02), **_rope_scaling(flags))
+
+
+def _rope_scaling(flags: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's --use-rope-scaling / --rope-scaling-factor; its other Llama-3 values are hard-coded there
+    (low 1, high 4, original 8192: ModelConfig's defaults)."""
+    if not flags.get("use_rope_scaling"):
+        return {}
+    return {"use_rope_scaling": True, "rope_scaling_factor": float(flags.get("rope_scaling_factor", 8.0))}
 
 
 def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration: int | None = None,
