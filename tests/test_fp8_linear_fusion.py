@@ -192,3 +192,15 @@ def _tp_body(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_tp2_fused_equals_unfused_with_and_without_sequence_parallel():
     run_distributed(_tp_body, world_size=2)
+
+
+def test_fused_norms_still_run_their_module_hooks():
+    """--overlap-param-gather waits for a weight's gather in its module's forward pre-hook: a fused norm is still
+    called (as_prologue=True), so its hook runs (tests/test_optim_fp8_param_gather.py covers the gather itself)."""
+    layer, rotary = _layer()
+    called = []
+    for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+        norm.register_forward_pre_hook(lambda module, args: called.append(module))
+    with fp8_autocast(recipe=RECIPES["delayed"]):
+        layer(torch.randn(16, 2, 128), rotary)
+    assert called == [layer.input_layernorm, layer.pre_mlp_layernorm]

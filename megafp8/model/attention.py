@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
-from megafp8.model.norm import RMSNorm
 from megafp8.model.recompute import recompute
 from megafp8.model.rotary import apply_rotary
 from megafp8.parallel.parallel_state import ParallelState
@@ -41,9 +41,10 @@ class SelfAttention(nn.Module):
                                              params_dtype=config.params_dtype, perform_initialization=False)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                input_norm: RMSNorm | None = None) -> torch.Tensor:
-        """`input_norm`: x is the input of this norm, fused into QKV's FP8 input cast (else x is QKV's input)."""
-        qkv = self.linear_qkv(x, prologue=input_norm.prologue() if input_norm is not None else None)
+                input_norm: RMSNormPrologue | None = None) -> torch.Tensor:
+        """`input_norm`: x is the input of this norm (RMSNorm(x, as_prologue=True)), fused into QKV's FP8 input cast;
+        without it x is QKV's input."""
+        qkv = self.linear_qkv(x, prologue=input_norm)
         # qkv: [s, b, G/TP * (r + 2) * d]
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.query_heads_per_group + 2, self.head_dim)

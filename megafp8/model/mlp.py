@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from megafp8.fp8 import smooth_swiglu_channel_scales, swiglu
-from megafp8.fp8.prologue import SwiGLUPrologue
+from megafp8.fp8.prologue import RMSNormPrologue, SwiGLUPrologue
 
 from megafp8.model.config import ModelConfig
-from megafp8.model.norm import RMSNorm
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
 
@@ -37,10 +36,12 @@ class MLP(nn.Module):
                                             init_method=init_method_normal(config.output_init_std),
                                             params_dtype=config.params_dtype, perform_initialization=False)
 
-    def forward(self, x: torch.Tensor, input_norm: RMSNorm | None = None, fuse_activation: bool = False) -> torch.Tensor:
-        """`input_norm`: x is the input of this norm, fused into FC1's FP8 input cast. `fuse_activation`: the SwiGLU
-        runs inside FC2's FP8 input cast (megafp8.fp8.prologue), never written in high precision."""
-        gate_up = self.linear_fc1(x, prologue=input_norm.prologue() if input_norm is not None else None)
+    def forward(self, x: torch.Tensor, input_norm: RMSNormPrologue | None = None,
+                fuse_activation: bool = False) -> torch.Tensor:
+        """`input_norm`: x is the input of this norm (RMSNorm(x, as_prologue=True)), fused into FC1's FP8 input cast.
+        `fuse_activation`: the SwiGLU runs inside FC2's FP8 input cast (megafp8.fp8.prologue), never written in
+        high precision."""
+        gate_up = self.linear_fc1(x, prologue=input_norm)
         smooth = self.activation == "smooth_swiglu"
         if fuse_activation:
             # Smooth-SwiGLU's scales need the activation's per-channel amax before the cast: one extra pass.

@@ -51,8 +51,9 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.fuse_fp8_prologues:
-            x = x + self.self_attention(x, rotary, input_norm=self.input_layernorm)
-            return x + self.mlp(x, input_norm=self.pre_mlp_layernorm, fuse_activation=True)
+            # The norms are still called (as_prologue): their forward hooks, e.g. the overlapped param gather, run.
+            x = x + self.self_attention(x, rotary, input_norm=self.input_layernorm(x, as_prologue=True))
+            return x + self.mlp(x, input_norm=self.pre_mlp_layernorm(x, as_prologue=True), fuse_activation=True)
         x = x + self.self_attention(self.input_layernorm(x), rotary)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 

@@ -22,12 +22,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, as_prologue: bool = False) -> torch.Tensor | RMSNormPrologue:
+        """as_prologue=True returns this norm as the next linear's prologue (in FP8 fused into the quantization of
+        its input, megafp8.fp8.prologue) instead of normalizing x. It is still a module call, so the module's
+        forward hooks run: the overlapped parameter gather of --overlap-param-gather waits in one for this weight."""
+        if as_prologue:
+            return RMSNormPrologue(self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)  # backward from the saved rstd (megafp8.fp8.prologue)
-
-    def prologue(self) -> RMSNormPrologue:
-        """This norm as the prologue of the next linear: in FP8, fused into the quantization of its input."""
-        return RMSNormPrologue(self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
