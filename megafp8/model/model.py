@@ -90,8 +90,9 @@ class GPTModel(nn.Module):
             self.embedding = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, parallel_state,
                                                     init_method=init_method_normal(std),
                                                     params_dtype=config.params_dtype, perform_initialization=False)
+        # Tables for --seq-length, grown on a longer forward (not 131072 positions for a Llama-3.1 config).
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                      scaling=config.rope_scaling)
+                                      scaling=config.rope_scaling, positions=config.seq_length)
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state) for i in layer_numbers})
         if post_process:

@@ -60,27 +60,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions ``[0, max_positions)``, computed once in fp32.
+    """cos/sin tables in fp32 for positions ``[0, positions)``, grown on demand up to ``max_positions``.
 
     Frequencies ``theta^(-2i/d)`` pair dim ``i`` with dim ``i + d/2`` (not adjacent dims as in Meta's
     original code): HF Llama weights are permuted for exactly this pairing, so they load unchanged.
+
+    The table starts at ``positions`` (default ``max_positions``; GPTModel passes --seq-length) because a
+    Llama-3.1 config's 131072 positions would cost 128 MiB per model chunk that training never reads. A
+    longer forward (evaluation, a parity check at another length) rebuilds it for that length on the
+    tables' device; each entry is one elementwise ``cos(p * inv_freq)``, so the values at a position do not
+    depend on the table's length.
     """
 
     def __init__(self, head_dim: int, theta: float, max_positions: int,
-                 scaling: Llama3RopeScaling | None = None) -> None:
+                 scaling: Llama3RopeScaling | None = None, positions: int | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)  # (max_positions, head_dim)
-        # Not persistent: derived from the config, so checkpoints need not carry it.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.max_positions = max_positions
+        # Not persistent: all derived from the config, so checkpoints need not carry them. inv_freq stays so
+        # that a grown table is computed from the very fp32 frequencies (made on the same device) as the first.
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        cos, sin = self._tables(min(max_positions, positions or max_positions))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(positions, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq)
+        angles = torch.cat([freqs, freqs], dim=-1)  # (positions, head_dim)
+        return angles.cos(), angles.sin()
 
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin shaped ``(seq_len, 1, 1, head_dim)`` to broadcast over ``[s, b, heads, d]``."""
+        if seq_len > self.max_positions:
+            raise ValueError(f"sequence of {seq_len} tokens exceeds --max-position-embeddings ({self.max_positions})")
         if seq_len > self.cos.shape[0]:
-            raise ValueError(f"sequence of {seq_len} tokens exceeds --max-position-embeddings ({self.cos.shape[0]})")
+            # Plain tensors even under inference_mode (an evaluation): a later training step saves them for backward.
+            with torch.inference_mode(False):
+                self.cos, self.sin = self._tables(seq_len)
         return self.cos[:seq_len, None, None, :], self.sin[:seq_len, None, None, :]
+
+    def _apply(self, fn, recurse=True):
+        # model.bfloat16() / .half() must not round the angles (nor the frequencies a grown table starts from).
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, buf in self._buffers.items():
+            if buf.dtype != torch.float32:
+                self._buffers[name] = before[name].to(device=buf.device)
+        return self
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
