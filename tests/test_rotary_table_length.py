@@ -19,15 +19,16 @@ def test_grown_table_equals_the_full_table_bit_for_bit(scaling):
     for seq_len in (100, 4096, 5001, 70000, 131072):  # within, at, then past the table; up to the limit
         cos, sin = rope(seq_len)
         assert rope.cos.shape[0] == max(4096, seq_len)
-        assert torch.equal(cos, full.cos[:seq_len, None, None, :]) and torch.equal(sin, full.sin[:seq_len, None, None, :])
+        assert torch.equal(cos, full.cos[:seq_len, None, None, :])
+        assert torch.equal(sin, full.sin[:seq_len, None, None, :])
     with pytest.raises(ValueError, match=r"131073 tokens exceeds --max-position-embeddings \(131072\)"):
         rope(131073)
 
 
 def test_model_builds_tables_for_seq_length_and_a_longer_forward_matches_a_full_table_model():
     def model(seq_length):
-        cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, seq_length=seq_length,
-                          max_position_embeddings=64, vocab_size=50, seed=5, use_rope_scaling=True,
+        cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                          seq_length=seq_length, max_position_embeddings=64, vocab_size=50, seed=5, use_rope_scaling=True,
                           rope_scaling_original_max_position_embeddings=16)
         return GPTModel(cfg, ParallelState().init_process_groups())
 
