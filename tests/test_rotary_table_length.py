@@ -28,8 +28,8 @@ def test_grown_table_equals_the_full_table_bit_for_bit(scaling):
 def test_model_builds_tables_for_seq_length_and_a_longer_forward_matches_a_full_table_model():
     def model(seq_length):
         cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
-                          seq_length=seq_length, max_position_embeddings=64, vocab_size=50, seed=5, use_rope_scaling=True,
-                          rope_scaling_original_max_position_embeddings=16)
+                          seq_length=seq_length, max_position_embeddings=64, vocab_size=50, seed=5,
+                          use_rope_scaling=True, rope_scaling_original_max_position_embeddings=16)
         return GPTModel(cfg, ParallelState().init_process_groups())
 
     short, full = model(8), model(64)
