@@ -46,18 +46,19 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, channel_scale: torch.
 def rmsnorm_quantize_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_dtype: torch.dtype,
                                granularity_: str | Granularity = Granularity.TENSORWISE, *,
                                power_of_2_scale: bool = False, scale: torch.Tensor | None = None,
-                               transpose: bool = False) -> tuple[Fp8Quantized, torch.Tensor]:
-    """(quantize(rms_norm(x)), rstd) for a 2-D (tokens, hidden) x; the normalized tensor is not returned."""
+                               transpose: bool = False, stats: bool = False) -> tuple[Fp8Quantized, torch.Tensor]:
+    """(quantize(rms_norm(x)), rstd) for a 2-D (tokens, hidden) x; the normalized tensor is not returned. stats=True
+    adds the cast's saturated/flushed counts (quantize_reference's)."""
     normed, rstd = rms_norm_forward_reference(x, weight, eps)
     return quantize_reference(normed, fp8_dtype, granularity_, power_of_2_scale=power_of_2_scale, scale=scale,
-                              transpose=transpose), rstd
+                              transpose=transpose, stats=stats), rstd
 
 
 def swiglu_quantize_reference(gate_up: torch.Tensor, channel_scale: torch.Tensor | None, fp8_dtype: torch.dtype,
                               granularity_: str | Granularity = Granularity.TENSORWISE, *,
                               power_of_2_scale: bool = False, scale: torch.Tensor | None = None,
-                              transpose: bool = False) -> Fp8Quantized:
-    """quantize(swiglu(gate, up) * s) for a 2-D (tokens, 2 * ffn) gate_up = [gate | up]."""
+                              transpose: bool = False, stats: bool = False) -> Fp8Quantized:
+    """quantize(swiglu(gate, up) * s) for a 2-D (tokens, 2 * ffn) gate_up = [gate | up] (stats as rmsnorm's)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return quantize_reference(swiglu_reference(gate, up, channel_scale), fp8_dtype, granularity_,
-                              power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose)
+                              power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose, stats=stats)

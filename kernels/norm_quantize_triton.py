@@ -9,6 +9,8 @@ there the prologue runs as torch ops and the standalone quantizer casts it (two 
 
 Bits: the cast follows quantize_triton.py exactly; the prologue's own fp32 math (the row sum's order, rsqrt, exp)
 may differ from torch's by an ulp, so an FP8 byte can differ where the value sits on a rounding boundary.
+With stats=True the cast also counts saturated and flushed elements, as quantize_triton's: two int64 atomic adds
+per tile.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import triton.language as tl
 from .norm_quantize_reference import rms_norm_forward_reference, swiglu_reference
 from .quantize_triton import (
     TILE,
+    _add_cast_counts,
     _interpreting,
     _nan_max,
     _reciprocal,
@@ -45,10 +48,12 @@ def _round_to(y, DTYPE: tl.constexpr):
 
 @triton.jit
 def _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, n_k_tiles, M, K, q_ptr, qt_ptr, amax_ptr,
-                    scale_ptr, scale_inv_ptr, scale_inv_t_ptr, BLOCKS: tl.constexpr, TRANSPOSE: tl.constexpr,
-                    POW2: tl.constexpr, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
-                    EMIN: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
-    """quantize_triton's given-scale (BLOCKS False) or 1x128 (BLOCKS True) cast of one fp32 tile y."""
+                    scale_ptr, scale_inv_ptr, scale_inv_t_ptr, counts_ptr, BLOCKS: tl.constexpr,
+                    TRANSPOSE: tl.constexpr, POW2: tl.constexpr, STATS: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                    FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, SATURATION: tl.constexpr,
+                    SOFTWARE_ROUNDING: tl.constexpr):
+    """quantize_triton's given-scale (BLOCKS False) or 1x128 (BLOCKS True) cast of one fp32 tile y; with STATS
+    also its saturated/flushed counts (quantize_triton's two atomics per tile)."""
     mask = row_ok[:, None] & col_ok[None, :]
     y = tl.where(mask, y, 0.0)
     if BLOCKS:
@@ -56,14 +61,18 @@ def _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, n_k_tiles, 
         scale = _scale_from_amax(row_amax, FP8_MAX, POW2)
         tl.store(amax_ptr + pid_k * M + offs_m, row_amax, mask=row_ok)  # K-block-major, as quantize_triton
         tl.store(scale_inv_ptr + pid_k * M + offs_m, _reciprocal(scale), mask=row_ok)
-        q = _to_fp8_bits(y * scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+        scaled = y * scale[:, None]
     else:
         scale = tl.load(scale_ptr)
         tl.store(amax_ptr + pid_m * n_k_tiles + pid_k, _nan_max(_nan_max(tl.abs(y), 1), 0))
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_inv_ptr, _reciprocal(scale))
-        q = _to_fp8_bits(y * scale, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+        scaled = y * scale
+    q = _to_fp8_bits(scaled, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
     tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
+    if STATS:  # y is 0 outside the mask: never saturated, never a flushed nonzero
+        # A 1x128 group's own amax maps to FP8_MAX: it cannot saturate (and the count costs registers, spills).
+        _add_cast_counts(counts_ptr, y, scaled, q, SATURATION, CAN_SATURATE=not BLOCKS)
     if TRANSPOSE:
         t_mask = col_ok[:, None] & row_ok[None, :]
         t_ptrs = qt_ptr + offs_k[:, None] * M + offs_m[None, :]
@@ -78,10 +87,11 @@ def _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, n_k_tiles, 
 
 @triton.jit
 def _rmsnorm_quantize_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, scale_inv_ptr,
-                             scale_inv_t_ptr, M, K, eps, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                             BLOCKS: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr,
+                             scale_inv_t_ptr, counts_ptr, M, K, eps, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             BLOCKS: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr, STATS: tl.constexpr,
                              FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                             SOFTWARE_ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                             SATURATION: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, BM: tl.constexpr,
+                             BK: tl.constexpr):
     pid_m = tl.program_id(0)
     n_k_tiles = tl.cdiv(K, BK)
     offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
@@ -103,16 +113,17 @@ def _rmsnorm_quantize_kernel(x_ptr, w_ptr, rstd_ptr, q_ptr, qt_ptr, amax_ptr, sc
         normed = _round_to(x * rstd[:, None], X_DTYPE)  # cast back before the scale, as the module
         y = _round_to(normed * w[None, :], OUT_DTYPE)
         _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, n_k_tiles, M, K, q_ptr, qt_ptr, amax_ptr,
-                        scale_ptr, scale_inv_ptr, scale_inv_t_ptr, BLOCKS, TRANSPOSE, POW2, FP8_DTYPE, FP8_MAX,
-                        MBITS, EMIN, SOFTWARE_ROUNDING)
+                        scale_ptr, scale_inv_ptr, scale_inv_t_ptr, counts_ptr, BLOCKS, TRANSPOSE, POW2, STATS,
+                        FP8_DTYPE, FP8_MAX, MBITS, EMIN, SATURATION, SOFTWARE_ROUNDING)
 
 
 @triton.jit
-def _swiglu_quantize_kernel(gu_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, scale_inv_ptr, scale_inv_t_ptr, M, K,
-                            HAS_CHANNEL_SCALE: tl.constexpr, X_DTYPE: tl.constexpr, BLOCKS: tl.constexpr,
-                            TRANSPOSE: tl.constexpr, POW2: tl.constexpr, FP8_DTYPE: tl.constexpr,
-                            FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                            SOFTWARE_ROUNDING: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def _swiglu_quantize_kernel(gu_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, scale_inv_ptr, scale_inv_t_ptr,
+                            counts_ptr, M, K, HAS_CHANNEL_SCALE: tl.constexpr, X_DTYPE: tl.constexpr,
+                            BLOCKS: tl.constexpr, TRANSPOSE: tl.constexpr, POW2: tl.constexpr, STATS: tl.constexpr,
+                            FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                            SATURATION: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr, BM: tl.constexpr,
+                            BK: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
     offs_k = pid_k * BK + tl.arange(0, BK).to(tl.int64)
@@ -126,8 +137,8 @@ def _swiglu_quantize_kernel(gu_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, s
     if HAS_CHANNEL_SCALE:
         y = _round_to(y * tl.load(s_ptr + offs_k, mask=col_ok, other=1.0)[None, :], X_DTYPE)
     _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, tl.num_programs(1), M, K, q_ptr, qt_ptr,
-                    amax_ptr, scale_ptr, scale_inv_ptr, scale_inv_t_ptr, BLOCKS, TRANSPOSE, POW2, FP8_DTYPE, FP8_MAX,
-                    MBITS, EMIN, SOFTWARE_ROUNDING)
+                    amax_ptr, scale_ptr, scale_inv_ptr, scale_inv_t_ptr, counts_ptr, BLOCKS, TRANSPOSE, POW2, STATS,
+                    FP8_DTYPE, FP8_MAX, MBITS, EMIN, SATURATION, SOFTWARE_ROUNDING)
 
 
 def _fusable(gran: Granularity, scale: torch.Tensor | None) -> bool:
@@ -145,49 +156,56 @@ def _buffers(rows: int, cols: int, gran: Granularity, scale, transpose: bool, fp
     return data, data_t, scale_inv, scale_inv_t, amax
 
 
-def _result(data, data_t, scale_inv, scale_inv_t, amax, scale, transpose: bool) -> Fp8Quantized:
+def _result(data, data_t, scale_inv, scale_inv_t, amax, counts, scale, transpose: bool) -> Fp8Quantized:
     if scale is not None:
         amax = amax.amax()
         scale_inv_t = scale_inv.t().clone(memory_format=torch.contiguous_format)  # never an alias of scale_inv
     if not transpose:
-        return Fp8Quantized(data, scale_inv, amax)
-    return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t)
+        return Fp8Quantized(data, scale_inv, amax, counts=counts)
+    return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t, counts)
 
 
-def _cast_constants(fp8_dtype: torch.dtype, fmt, gran: Granularity, transpose: bool, power_of_2_scale: bool) -> dict:
-    return dict(BLOCKS=gran is Granularity.BLOCK_1X128, TRANSPOSE=transpose, POW2=power_of_2_scale,
+def _cast_constants(fp8_dtype: torch.dtype, fmt, gran: Granularity, transpose: bool, power_of_2_scale: bool,
+                    stats: bool) -> dict:
+    return dict(BLOCKS=gran is Granularity.BLOCK_1X128, TRANSPOSE=transpose, POW2=power_of_2_scale, STATS=stats,
                 FP8_DTYPE=triton_fp8_dtype(fp8_dtype), FP8_MAX=fmt.max, MBITS=fmt.mantissa_bits,
-                EMIN=fmt.min_normal_exponent, SOFTWARE_ROUNDING=_interpreting(), BM=TILE, BK=TILE)
+                EMIN=fmt.min_normal_exponent, SATURATION=fmt.saturation_threshold, SOFTWARE_ROUNDING=_interpreting(),
+                BM=TILE, BK=TILE)
+
+
+def _counts(stats: bool, dev) -> torch.Tensor | None:
+    return torch.zeros(2, device=dev, dtype=torch.int64) if stats else None
 
 
 def rmsnorm_quantize_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_dtype: torch.dtype,
                             granularity_: str | Granularity = Granularity.TENSORWISE, *,
                             power_of_2_scale: bool = False, scale: torch.Tensor | None = None,
-                            transpose: bool = False) -> tuple[Fp8Quantized, torch.Tensor]:
+                            transpose: bool = False, stats: bool = False) -> tuple[Fp8Quantized, torch.Tensor]:
     """Triton twin of `rmsnorm_quantize_reference` (same arguments and results)."""
     gran = granularity(granularity_)
     fmt = check_quantize_args(x, fp8_dtype, gran, scale)
     if not _fusable(gran, scale) or x.dtype not in _TORCH_TO_TL or weight.dtype not in _TORCH_TO_TL:
         normed, rstd = rms_norm_forward_reference(x, weight, eps)
         return quantize_triton(normed, fp8_dtype, gran, power_of_2_scale=power_of_2_scale, scale=scale,
-                               transpose=transpose), rstd
+                               transpose=transpose, stats=stats), rstd
     x, weight = x.contiguous(), weight.contiguous()
     M, K = x.shape
     data, data_t, scale_inv, scale_inv_t, amax = _buffers(M, K, gran, scale, transpose, fp8_dtype, x.device)
     rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+    counts = _counts(stats, x.device)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     _rmsnorm_quantize_kernel[(triton.cdiv(M, TILE),)](
         x, weight, rstd, data.view(torch.uint8), data_t.view(torch.uint8), amax,
-        scale if scale is not None else scale_inv, scale_inv, scale_inv_t, M, K, eps,
+        scale if scale is not None else scale_inv, scale_inv, scale_inv_t, counts if stats else scale_inv, M, K, eps,
         X_DTYPE=_TORCH_TO_TL[x.dtype], OUT_DTYPE=_TORCH_TO_TL[out_dtype],
-        **_cast_constants(fp8_dtype, fmt, gran, transpose, power_of_2_scale), num_warps=8)
-    return _result(data, data_t, scale_inv, scale_inv_t, amax, scale, transpose), rstd
+        **_cast_constants(fp8_dtype, fmt, gran, transpose, power_of_2_scale, stats), num_warps=8)
+    return _result(data, data_t, scale_inv, scale_inv_t, amax, counts, scale, transpose), rstd
 
 
 def swiglu_quantize_triton(gate_up: torch.Tensor, channel_scale: torch.Tensor | None, fp8_dtype: torch.dtype,
                            granularity_: str | Granularity = Granularity.TENSORWISE, *,
                            power_of_2_scale: bool = False, scale: torch.Tensor | None = None,
-                           transpose: bool = False) -> Fp8Quantized:
+                           transpose: bool = False, stats: bool = False) -> Fp8Quantized:
     """Triton twin of `swiglu_quantize_reference` (same arguments and results)."""
     gran = granularity(granularity_)
     M, K = gate_up.shape[0], gate_up.shape[1] // 2
@@ -195,16 +213,17 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, channel_scale: torch.Tensor | 
     if not _fusable(gran, scale) or gate_up.dtype not in _TORCH_TO_TL:
         gate, up = gate_up.chunk(2, dim=-1)
         return quantize_triton(swiglu_reference(gate, up, channel_scale), fp8_dtype, gran,
-                               power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose)
+                               power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose, stats=stats)
     gate_up = gate_up.contiguous()
     data, data_t, scale_inv, scale_inv_t, amax = _buffers(M, K, gran, scale, transpose, fp8_dtype, gate_up.device)
     s = channel_scale.float().contiguous() if channel_scale is not None else scale_inv
+    counts = _counts(stats, gate_up.device)
     _swiglu_quantize_kernel[(triton.cdiv(M, TILE), triton.cdiv(K, TILE))](
         gate_up, s, data.view(torch.uint8), data_t.view(torch.uint8), amax,
-        scale if scale is not None else scale_inv, scale_inv, scale_inv_t, M, K,
+        scale if scale is not None else scale_inv, scale_inv, scale_inv_t, counts if stats else scale_inv, M, K,
         HAS_CHANNEL_SCALE=channel_scale is not None, X_DTYPE=_TORCH_TO_TL[gate_up.dtype],
-        **_cast_constants(fp8_dtype, fmt, gran, transpose, power_of_2_scale), num_warps=8)
-    return _result(data, data_t, scale_inv, scale_inv_t, amax, scale, transpose)
+        **_cast_constants(fp8_dtype, fmt, gran, transpose, power_of_2_scale, stats), num_warps=8)
+    return _result(data, data_t, scale_inv, scale_inv_t, amax, counts, scale, transpose)
 
 
 assert BLOCK == TILE  # a 1x128 group is one tile row; its transposed 128x1 group one tile column

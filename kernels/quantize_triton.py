@@ -118,6 +118,17 @@ def _atomic_amax(amax_bits_ptr, amax, mask=None):
 
 
 @triton.jit
+def _add_cast_counts(counts_ptr, x, y, q, SATURATION: tl.constexpr, CAN_SATURATE: tl.constexpr = True):
+    """Add one tile's saturated (|y| > SATURATION, y = x * scale) and flushed (x != 0 cast to +-0, read on the
+    FP8 bits q) counts to counts_ptr[0:2] (int64): quantize_reference.cast_counts, two atomics per tile. A tile's
+    count fits int32 (summed in int32: half the registers of int64 lanes); the running totals need int64.
+    CAN_SATURATE=False: a cast whose scale comes from its own group's amax, which never saturates (no count)."""
+    if CAN_SATURATE:
+        tl.atomic_add(counts_ptr, tl.sum((tl.abs(y) > SATURATION).to(tl.int32)).to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, tl.sum((((q & 0x7F) == 0) & (x != 0)).to(tl.int32)).to(tl.int64))
+
+
+@triton.jit
 def _tile_amax_kernel(x_ptr, amax_bits_ptr, col_amax_bits_ptr, M, K,
                       ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """MAX one tile's amax into the tensor's (or each row's) amax, and (rowwise transpose) each column's."""
@@ -188,10 +199,7 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
     q = _to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
     tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
     if STATS:  # padding loads x = 0: never saturated, never a flushed nonzero
-        saturated = tl.sum((tl.abs(y) > SATURATION).to(tl.int64))
-        flushed = tl.sum((((q & 0x7F) == 0) & (x != 0)).to(tl.int64))
-        tl.atomic_add(counts_ptr, saturated)
-        tl.atomic_add(counts_ptr + 1, flushed)
+        _add_cast_counts(counts_ptr, x, y, q, SATURATION)
 
     if TRANSPOSE:
         t_mask = col_ok[:, None] & row_ok[None, :]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from distributed_testing import run_distributed
-from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager, enable_fp8_telemetry, fp8_autocast
+from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager, collect_fp8_telemetry, enable_fp8_telemetry, fp8_autocast
+from megafp8.fp8.telemetry import SaturationGuard
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
 from megafp8.parallel.parallel_state import ParallelState
@@ -45,19 +46,27 @@ def _layer(activation: str = "swiglu", params_dtype=torch.float32):
     return model.layers["0"], model.rotary(16)
 
 
-def _steps(layer, rotary, recipe, fused: bool, steps: int = 3, dtype=torch.float32, telemetry_at: int = -1):
-    """Per step: output, input grad, parameter grads and every buffer (scaling state) after the update."""
+def _steps(layer, rotary, recipe, fused: bool, steps: int = 3, dtype=torch.float32, telemetry_at: int = -1,
+           guard: SaturationGuard | None = None):
+    """Per step: output, input grad, parameter grads and every buffer (scaling state) after the update; with a
+    guard (telemetry on every step, as a default FP8 run) also the recorded telemetry, its counts and the guard's
+    strikes after its check."""
     layer = copy.deepcopy(layer)
     layer.fuse_fp8_prologues = fused
     manager = Fp8ScalingManager(layer, None)
     results = []
     for step in range(steps):
-        enable_fp8_telemetry(layer, step == telemetry_at)
+        enable_fp8_telemetry(layer, guard is not None or step == telemetry_at)
         g = torch.Generator().manual_seed(step)
         x = (torch.randn(16, 2, 128, generator=g) * (1 + 4 * step)).to(dtype).requires_grad_()
         with fp8_autocast(recipe=recipe):
             y = layer(x, rotary)
         y.backward(torch.cos(torch.arange(y.numel(), dtype=torch.float32)).view_as(y).to(y.dtype))
+        if guard is not None:
+            counts = {f"{name}/{role}": stats.counts.clone() for name, module in layer.named_modules()
+                      for role, stats in getattr(module, "fp8_telemetry", {}).items()}
+            guard.check(layer, step)
+            results.append((collect_fp8_telemetry(layer), counts, dict(guard.strikes)))
         manager.update()
         results.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()},
                         {n: b.clone() for n, b in layer.named_buffers()}))
@@ -66,7 +75,12 @@ def _steps(layer, rotary, recipe, fused: bool, steps: int = 3, dtype=torch.float
 
 
 def _assert_bitwise_equal(unfused, fused, case):
+    assert len(unfused) == len(fused)
     for step, (a, b) in enumerate(zip(unfused, fused)):
+        if len(a) == 3:  # the guard's record: telemetry, the cast counts, strikes
+            assert a[0] == b[0] and a[2] == b[2], (case, step, "telemetry")
+            assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1]), (case, step)
+            continue
         assert torch.equal(a[0], b[0]), (case, step, "output")
         assert torch.equal(a[1], b[1]), (case, step, "input grad")
         for group in (2, 3):
@@ -81,9 +95,25 @@ def test_fused_layer_equals_unfused_bit_for_bit(name):
     _assert_bitwise_equal(_steps(layer, rotary, RECIPES[name], False), _steps(layer, rotary, RECIPES[name], True), name)
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_fused_layer_with_the_guard_equals_unfused_bit_for_bit(name):
+    """Telemetry on every step (the default saturation guard): the fused kernels count the cast's saturated and
+    flushed elements themselves, so the recorded telemetry, its counts and the guard's strikes (threshold 0: any
+    saturated step is a strike) equal the unfused layer's, and so does everything else."""
+    layer, rotary = _layer()
+    runs = [_steps(layer, rotary, RECIPES[name], fused, guard=SaturationGuard(threshold=0.0, patience=100))
+            for fused in (False, True)]
+    _assert_bitwise_equal(*runs, name)
+    telemetry = runs[1][-2][0]
+    assert sum(1 for k in telemetry if k.endswith("/input/saturated")) == 4  # QKV, proj, FC1, FC2: all recorded
+    if name == "delayed":  # the inputs grow 5x a step: the stale delayed scales saturate, and a strike follows
+        assert any(v > 0 for k, v in telemetry.items() if k.endswith("/input/saturated"))
+        assert max(runs[1][-2][2].values()) > 0
+
+
 def test_fused_smooth_swiglu_bf16_and_telemetry_steps_equal_unfused():
-    """Smooth-SwiGLU's channel scales, bf16 activations and parameters, and a step with telemetry on (where the
-    input casts run unfused inside the op, since telemetry reads the high-precision input)."""
+    """Smooth-SwiGLU's channel scales, bf16 activations and parameters, and a step with telemetry on (fused too:
+    the kernel counts the cast's saturated/flushed elements)."""
     layer, rotary = _layer("smooth_swiglu", torch.bfloat16)
     recipe = RECIPES["delayed"]
     unfused = _steps(layer, rotary, recipe, False, dtype=torch.bfloat16, telemetry_at=1)
@@ -152,6 +182,17 @@ def test_layer_launches_within_budget_and_independent_of_size():
     assert small["forward_ops"] == large["forward_ops"] and small["backward_ops"] == large["backward_ops"]
     unfused = bench_layer_kernels.count_layer("blockwise", fused=False)
     assert unfused["forward"] - small["forward"] == 14  # 2 x (RMSNorm's 6 ops + its cast) + SwiGLU's 2, merged
+
+
+@pytest.mark.parametrize("name", ["delayed", "blockwise", "delayed + smooth_swiglu"])
+def test_layer_launches_with_telemetry_on_are_the_fused_ones(name):
+    """A default FP8 run has telemetry on every step (the saturation guard): the casts count saturated/flushed
+    elements inside the same custom ops, so the layer launches exactly what it does with telemetry off."""
+    quiet = bench_layer_kernels.count_layer(name, fused=True)
+    guarded = bench_layer_kernels.count_layer(name, fused=True, telemetry=True)
+    assert guarded["forward_ops"] == quiet["forward_ops"] and guarded["backward_ops"] == quiet["backward_ops"]
+    assert guarded["forward_ops"]["megafp8::rmsnorm_quantize"] == 2
+    assert guarded["forward_ops"]["megafp8::swiglu_quantize"] == 1
 
 
 def _tp_body(rank: int, world_size: int) -> None:

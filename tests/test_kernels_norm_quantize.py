@@ -48,3 +48,36 @@ def test_fused_quantize_kernel_matches_its_twin(prologue, gran, scale, dtype):
             assert (a.view(torch.uint8) == b.view(torch.uint8)).float().mean() >= 0.999
         for a, b in ((fused.scale_inv, ref.scale_inv), (fused.scale_inv_t, ref.scale_inv_t), (fused.amax, ref.amax)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def _outlier_inputs():
+    """bf16 (so the kernel's values are the twin's exactly) with planted outliers (saturate under the given scale),
+    tiny values (flush to zero) and exact zeros (neither), in partial tiles of both dims."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 200, generator=g)
+    x[3, 7], x[40, 150], x[69, 199] = 1000.0, -800.0, 900.0  # normalized to ~sqrt(200): past 464 / 64
+    x[5, :20], x[6, 130:] = 1e-5, 0.0
+    gate_up = torch.randn(70, 400, generator=g)
+    gate_up[1, 3], gate_up[1, 203] = 12.0, 40.0  # silu(12) * 40: past 464 / 64
+    gate_up[60, 230:260], gate_up[61, 300:] = 1e-6, 0.0  # up tiny / zero
+    weight = torch.rand(200, generator=g) + 0.5
+    channel_scale = torch.exp2(torch.randint(-3, 4, (200,), generator=g).float())
+    return [t.to(DEVICE) for t in (x.to(torch.bfloat16), weight, gate_up.to(torch.bfloat16), channel_scale)]
+
+
+@pytest.mark.parametrize("gran, scale", [("tensorwise", 64.0), ("block_1x128", None), ("rowwise", None)],
+                         ids=["given", "block_1x128", "rowwise-two-pass"])
+@pytest.mark.parametrize("prologue", ["rmsnorm", "swiglu", "smooth_swiglu"])
+def test_fused_quantize_counts_match_the_twin(prologue, gran, scale):
+    """stats=True: the kernel's two atomics per tile count what the twin's cast_counts does (saturated, flushed)."""
+    x, weight, gate_up, channel_scale = _outlier_inputs()
+    kw = dict(scale=None if scale is None else torch.tensor(scale, device=DEVICE), transpose=True, stats=True)
+    fp8 = torch.float8_e4m3fn
+    if prologue == "rmsnorm":
+        fused, ref = (q for q, _ in _both(lambda b: rmsnorm_quantize(x, weight, 1e-5, fp8, gran, backend=b, **kw)))
+    else:
+        s = channel_scale if prologue == "smooth_swiglu" else None
+        fused, ref = _both(lambda b: swiglu_quantize(gate_up, s, fp8, gran, backend=b, **kw))
+    assert fused.counts.dtype == torch.int64 and torch.equal(fused.counts, ref.counts), (fused.counts, ref.counts)
+    assert ref.counts[1] > 0 and (ref.counts[0] > 0) == (scale is not None)  # current scaling never saturates
+    assert torch.equal(fused.data.view(torch.uint8), ref.data.view(torch.uint8))

@@ -146,11 +146,12 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
 
 def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], args: Fp8LinearArgs,
                           transpose: bool) -> tuple[Float8Tensor, tuple[torch.Tensor, ...]] | None:
-    """prologue(x) quantized by one fused kernel (+ what the prologue's backward needs), or None where the input quantization needs prologue(x) in high
-    precision: under SP (the gathered shard's agreed scale and its transposed copy), with telemetry or the
-    forced-overflow hook on (both read it), or for a cold delayed state of a TP-sharded input (whole-tensor amax)."""
+    """prologue(x) quantized by one fused kernel (+ what the prologue's backward needs), or None where the input
+    quantization needs prologue(x) in high precision: under SP (the gathered shard's agreed scale and its transposed
+    copy), with the forced-overflow hook on (it reads it), or for a cold delayed state of a TP-sharded input
+    (whole-tensor amax). Telemetry stays fused: the kernel counts the cast's saturated/flushed elements itself."""
     recipe, layer = args.recipe, args.layer
-    if args.sp_input is not None or layer.telemetry_enabled or layer.forced_overflow_factor is not None:
+    if args.sp_input is not None or layer.forced_overflow_factor is not None:
         return None
     state = layer.scaling_state("input", recipe)
     scale = delayed_scale(state)
@@ -158,10 +159,14 @@ def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], arg
         return None
     gran = recipe.granularity("input")
     q, extras = args.prologue.quantize(x.reshape(-1, x.shape[-1]), *params, recipe.dtype("input"), gran,
-                                       power_of_2_scale=recipe.power_of_2_scale, scale=scale, transpose=transpose)
+                                       power_of_2_scale=recipe.power_of_2_scale, scale=scale, transpose=transpose,
+                                       stats=layer.telemetry_enabled)
     if state is not None and args.observe:
         state.observe(q.amax)
-    return Float8Tensor.from_quantized(q, gran), extras
+    fp8 = Float8Tensor.from_quantized(q, gran)
+    if layer.telemetry_enabled:
+        record_fp8_stats(layer, "input", fp8, q.counts, q.amax)
+    return fp8, extras
 
 
 def _cold_shard_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule) -> torch.Tensor | None:

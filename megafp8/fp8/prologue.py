@@ -66,10 +66,10 @@ class RMSNormPrologue:
         return y, (rstd,)
 
     def quantize(self, x2d: torch.Tensor, weight: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, *,
-                 power_of_2_scale: bool, scale: torch.Tensor | None,
-                 transpose: bool) -> tuple[Fp8Quantized, tuple[torch.Tensor, ...]]:
+                 power_of_2_scale: bool, scale: torch.Tensor | None, transpose: bool,
+                 stats: bool) -> tuple[Fp8Quantized, tuple[torch.Tensor, ...]]:
         q, rstd = rmsnorm_quantize(x2d, weight, self.eps, fp8_dtype, granularity, power_of_2_scale=power_of_2_scale,
-                                   scale=scale, transpose=transpose)
+                                   scale=scale, transpose=transpose, stats=stats)
         return q, (rstd.view(*x2d.shape[:-1], 1),)
 
     def output_meta(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.Size]:
@@ -102,10 +102,10 @@ class SwiGLUPrologue:
         return self.apply(gate_up), ()
 
     def quantize(self, gate_up2d: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, *,
-                 power_of_2_scale: bool, scale: torch.Tensor | None,
-                 transpose: bool) -> tuple[Fp8Quantized, tuple[torch.Tensor, ...]]:
-        return swiglu_quantize(gate_up2d, self.channel_scale, fp8_dtype, granularity,
-                               power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose), ()
+                 power_of_2_scale: bool, scale: torch.Tensor | None, transpose: bool,
+                 stats: bool) -> tuple[Fp8Quantized, tuple[torch.Tensor, ...]]:
+        return swiglu_quantize(gate_up2d, self.channel_scale, fp8_dtype, granularity, power_of_2_scale=power_of_2_scale,
+                               scale=scale, transpose=transpose, stats=stats), ()
 
     def output_meta(self, gate_up: torch.Tensor) -> tuple[torch.dtype, torch.Size]:
         return gate_up.dtype, torch.Size((*gate_up.shape[:-1], gate_up.shape[-1] // 2))

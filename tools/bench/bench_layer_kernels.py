@@ -1,7 +1,7 @@
 """Kernel launches per transformer layer (forward + backward), per FP8 recipe, with and without the fused
 RMSNorm -> FP8 and SwiGLU -> FP8 prologues; also the bytes autograd saves for backward.
 
-    python tools/bench/bench_layer_kernels.py [--json out.json]
+    python tools/bench/bench_layer_kernels.py [--telemetry] [--json out.json]
 
 Counts, with a TorchDispatchMode on CPU, every aten op and megafp8 custom op one TransformerLayer dispatches
 in a training micro-batch (forward, then backward); view ops (no data moved, no launch on a GPU) are left out
@@ -9,7 +9,8 @@ and listed apart. Each counted op is one kernel launch on a GPU (a megafp8 custo
 except the tensorwise/rowwise current-scaling quantizers, which run an amax pass first). The micro-batch is
 the first of a step (after Fp8ScalingManager.update(), so delayed states are warm, and after the weight caches
 were invalidated, so the weight casts are included). The counts do not depend on the sizes. Saved bytes: every
-tensor autograd keeps for backward, parameters excluded.
+tensor autograd keeps for backward, parameters excluded. --telemetry counts with FP8 telemetry on, as every step of
+a default FP8 run (the saturation guard turns it on): the casts then also count saturated/flushed elements.
 """
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.getcwd())  # the checkout being measured (run from its root)
 
-from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager, fp8_autocast, invalidate_fp8_weight_caches  # noqa: E402
+from megafp8.fp8 import (  # noqa: E402
+    Fp8Recipe,
+    Fp8ScalingManager,
+    enable_fp8_telemetry,
+    fp8_autocast,
+    invalidate_fp8_weight_caches,
+)
 from megafp8.model.config import ModelConfig  # noqa: E402
 from megafp8.model.model import GPTModel  # noqa: E402
 from megafp8.parallel.parallel_state import ParallelState  # noqa: E402
@@ -53,7 +60,8 @@ class LaunchCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_layer(recipe_name: str, fused: bool, hidden: int = 128, seq: int = 32, batch: int = 2) -> dict:
+def count_layer(recipe_name: str, fused: bool, hidden: int = 128, seq: int = 32, batch: int = 2,
+                telemetry: bool = False) -> dict:
     """Launches of one TransformerLayer's forward and backward (see the module docstring)."""
     recipe = RECIPES[recipe_name]
     activation = "smooth_swiglu" if "smooth_swiglu" in recipe_name else "swiglu"
@@ -63,6 +71,7 @@ def count_layer(recipe_name: str, fused: bool, hidden: int = 128, seq: int = 32,
     model = GPTModel(cfg, ParallelState().init_process_groups())
     layer, rotary = model.layers["0"], model.rotary(seq)
     layer.fuse_fp8_prologues = fused
+    enable_fp8_telemetry(layer, telemetry)
     manager = Fp8ScalingManager(layer, None)
 
     def micro_batch(forward_mode=None, backward_mode=None, saved=None):
@@ -80,7 +89,7 @@ def count_layer(recipe_name: str, fused: bool, hidden: int = 128, seq: int = 32,
     layer.zero_grad(set_to_none=True)
     forward, backward, saved = LaunchCount(), LaunchCount(), _SavedBytes(layer)
     micro_batch(forward, backward, saved)
-    return {"recipe": recipe_name, "fused": fused, "forward": sum(forward.launches.values()),
+    return {"recipe": recipe_name, "fused": fused, "telemetry": telemetry, "forward": sum(forward.launches.values()),
             "backward": sum(backward.launches.values()), "views": sum(forward.views.values()) + sum(backward.views.values()),
             "saved_bytes": saved.nbytes, "forward_ops": dict(forward.launches), "backward_ops": dict(backward.launches)}
 
@@ -96,8 +105,9 @@ class _Nothing:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows (with per-op counts) here")
+    parser.add_argument("--telemetry", action="store_true", help="FP8 telemetry on, as the default saturation guard")
     args = parser.parse_args(argv)
-    rows = [count_layer(name, fused) for name in RECIPES for fused in (False, True)]
+    rows = [count_layer(name, fused, telemetry=args.telemetry) for name in RECIPES for fused in (False, True)]
     print("| recipe | unfused fwd + bwd = total | fused fwd + bwd = total | saved bytes unfused -> fused |")
     print("|---|---|---|---|")
     for before, after in zip(rows[::2], rows[1::2]):
