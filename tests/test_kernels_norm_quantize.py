@@ -81,3 +81,13 @@ def test_fused_quantize_counts_match_the_twin(prologue, gran, scale):
     assert fused.counts.dtype == torch.int64 and torch.equal(fused.counts, ref.counts), (fused.counts, ref.counts)
     assert ref.counts[1] > 0 and (ref.counts[0] > 0) == (scale is not None)  # current scaling never saturates
     assert torch.equal(fused.data.view(torch.uint8), ref.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_fused_ops_pass_opcheck(stats):
+    """The fakes (torch.compile's view) match the real outputs, the counts output included."""
+    x, weight, gate_up, _ = _outlier_inputs()
+    for args in ((x, weight, 1e-5), (gate_up, None)):
+        op = torch.ops.megafp8.rmsnorm_quantize if len(args) == 3 else torch.ops.megafp8.swiglu_quantize
+        for gran, scale in (("tensorwise", torch.tensor(64.0, device=DEVICE)), ("block_1x128", None)):
+            torch.library.opcheck(op.default, (*args, torch.float8_e4m3fn, gran, False, scale, True, "", stats))
