@@ -4,8 +4,8 @@ constant number of ops per check whatever the number of layers, and a save betwe
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_counting import OpCounter
 from megafp8.fp8 import Fp8Linear, Fp8Recipe, SaturationGuard
 from megafp8.fp8.telemetry import Fp8TensorStats
 
@@ -75,17 +75,6 @@ def test_same_decisions_as_the_host_guard_that_read_every_check(read_interval, p
         assert {str(i) for i, m in enumerate(model) if m.guard_high_precision} == {name for _, name, _ in want}
 
 
-class _Counter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops, self.reads = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 def _check_ops(layers: int, monkeypatch) -> int:
     """aten ops of one non-read check after the first (which builds the device state); fails on a host read."""
     model = _model(layers)
@@ -96,10 +85,10 @@ def _check_ops(layers: int, monkeypatch) -> int:
     _record(model, counts[1])
     tolists = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolists.append(1) or [])
-    with _Counter() as counter:
+    with OpCounter() as counter:
         assert guard.check(model, 2) == []
     monkeypatch.undo()
-    assert counter.reads == 0 and not tolists
+    assert counter.host_reads == 0 and not tolists
     return counter.ops
 
 

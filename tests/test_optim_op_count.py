@@ -2,25 +2,13 @@
 parameters), fp32 states and the compressed preset (fp16 master, FP8 moments), each within the issue's budget of
 400 ops per step and without a host read (`_local_scalar_dense`), also on a skipped (non-finite) step."""
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_counting import OpCounter
 from optim_testing import build, make_ddp, tiny_config, train_step
 from megafp8.optim import DistributedOptimizer
 from megafp8.parallel.parallel_state import ParallelState
 
 BUDGET = 400  # aten ops per step, a 2-layer model at any width (issue 19)
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops, self.host_reads = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.host_reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def _step_ops(hidden: int, master: str, states: str, poison: bool) -> tuple[int, int, int]:
@@ -30,7 +18,7 @@ def _step_ops(hidden: int, master: str, states: str, poison: bool) -> tuple[int,
     opt = DistributedOptimizer(ddp, weight_decay=0.1, clip_grad=1.0, master_weight_dtype=master,
                                optimizer_state_dtype=states)
     train_step(ddp, opt, cfg, 0, 1e-3)
-    count = _OpCount()
+    count = OpCounter()
 
     original = opt.step
 
