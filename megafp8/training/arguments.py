@@ -19,6 +19,7 @@ from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
+CP_COMM_TYPES = ("p2p", "all_gather")
 TOKENIZERS = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1f1b, interleaved (default with virtual stages, else 1f1b), interleaved-zb (interleaved "
                         "with the weight-gradient pass split off to fill bubbles), zbv, dualpipev (zero-bubble V "
                         "schedules); docs/parallelism.md 'Which schedule when'")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP: each sequence split over this many ranks (2 x CP chunks, load-balanced for causal "
+                        "attention; K/V exchanged in a ring); CP ranks share the ZeRO shards with DP "
+                        "(docs/parallelism.md)")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p",
+                   help="how CP ranks exchange K/V: p2p (a ring of sends overlapped with each block's attention) "
+                        "or all_gather (all K/V gathered once per layer)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with TP > 1: norms, residuals and activations between the TP regions are split over the "
                         "sequence (all-gather / reduce-scatter instead of all-reduce, in FP8 where the next GEMM is "
@@ -104,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather the updated parameters bucket by bucket under the next forward (distributed "
                         "optimizer)")
+    g.add_argument("--fp8-grad-reduce", action="store_true",
+                   help="distributed optimizer with FP8: the gradient buckets of FP8 layers travel as FP8 (one scale "
+                        "per bucket piece agreed over DP, an all-to-all, a local fp32 sum) instead of a "
+                        "reduce-scatter in the buffer's precision (docs/optimizer.md)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="the gradient buffer and its reduction in bf16 instead of fp32")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
@@ -305,7 +317,8 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval",
                 "eval_interval", "fp8_amax_history_len", "train_iters", "train_samples", "num_query_groups",
-                "ffn_hidden_size", "num_layers_per_virtual_pipeline_stage", "distributed_timeout_minutes")
+                "ffn_hidden_size", "num_layers_per_virtual_pipeline_stage", "distributed_timeout_minutes",
+                "context_parallel_size")
     for name in positive:
         if name == "train_samples" and args.train_iters is not None:
             continue  # derived from --train-iters, whose own message covers it
@@ -362,6 +375,14 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         flag = ("--first-last-layers-bf16" if args.first_last_layers_bf16 else
                 "--log-fp8-telemetry" if args.log_fp8_telemetry else "--no-fp8-saturation-guard")
         errors.append(f"{flag} needs --fp8-format")
+    if args.context_parallel_size > 1:  # the flag is parsed ahead of its implementation (issue 22)
+        errors.append("--context-parallel-size > 1 is not implemented yet")
+    if args.fp8_grad_reduce:  # parsed ahead of its implementation (issue 21)
+        errors.append("--fp8-grad-reduce is not implemented yet")
+    if args.fp8_grad_reduce and args.fp8_format is None:
+        errors.append("--fp8-grad-reduce needs --fp8-format")
+    if args.fp8_grad_reduce and not args.use_distributed_optimizer:
+        errors.append("--fp8-grad-reduce needs --use-distributed-optimizer (each rank sums its shard's FP8 pieces)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         errors.append("--overlap-param-gather needs --use-distributed-optimizer")
     if (args.master_weight_dtype != "fp32" or args.optimizer_state_dtype != "fp32") and not args.use_distributed_optimizer:
