@@ -36,6 +36,7 @@ COMM_KINDS: tuple[str, ...] = (
     "tp_allreduce",         # TP all-reduce: row-parallel output without SP, column input grads, CE
     "tp_allgather",         # TP all-gather along the last (hidden / vocab) dim, e.g. gather_output
     "pp_p2p",               # pipeline send/recv of activations and their grads
+    "cp_kv_p2p",            # context-parallel ring exchange of K/V (and their grads in backward)
     "dp_grad_reduce",       # data-parallel gradient all-reduce / reduce-scatter
     "dp_param_allgather",   # ZeRO parameter all-gather after the optimizer step
     "amax_reduce",          # FP8 amax reduction over the TP x DP group
