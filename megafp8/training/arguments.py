@@ -377,8 +377,6 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"{flag} needs --fp8-format")
     if args.context_parallel_size > 1:  # the flag is parsed ahead of its implementation (issue 22)
         errors.append("--context-parallel-size > 1 is not implemented yet")
-    if args.fp8_grad_reduce:  # parsed ahead of its implementation (issue 21)
-        errors.append("--fp8-grad-reduce is not implemented yet")
     if args.fp8_grad_reduce and args.fp8_format is None:
         errors.append("--fp8-grad-reduce needs --fp8-format")
     if args.fp8_grad_reduce and not args.use_distributed_optimizer:
