@@ -162,16 +162,21 @@ class Pipeline:
 
     # ---- construction ---------------------------------------------------------------------------
     def _p2p_shape(self) -> tuple[int, int, int]:
-        cfg, ps = self.config, self.parallel_state
-        seq = cfg.seq_length // ps.tp_size if ps.sequence_parallel else cfg.seq_length
-        return seq, self.micro_batch_size, cfg.hidden_size
+        ps = self.parallel_state
+        seq = self._local_seq_length()
+        return (seq // ps.tp_size if ps.sequence_parallel else seq), self.micro_batch_size, self.config.hidden_size
+
+    def _local_seq_length(self) -> int:
+        """Tokens of a sequence on this rank: context parallelism splits each sequence over its CP ranks."""
+        return self.config.seq_length // getattr(self.parallel_state, "cp_size", 1)
 
     def _build_schedule(self, fp8_recipe: Fp8Recipe | None, split_weight_grads: bool):
         ps, cfg = self.parallel_state, self.config
         # Static shapes (torch then skips its shape-probing forward); requires_grad marks what carries a gradient.
         hidden = torch.empty(self._p2p_shape(), dtype=cfg.params_dtype, device=self.device, requires_grad=True)
-        ids = torch.empty(self.micro_batch_size, cfg.seq_length, dtype=torch.long, device=self.device)
-        logits = torch.empty(self.micro_batch_size, cfg.seq_length, self.chunks[-1].padded_vocab_size // ps.tp_size,
+        seq = self._local_seq_length()
+        ids = torch.empty(self.micro_batch_size, seq, dtype=torch.long, device=self.device)
+        logits = torch.empty(self.micro_batch_size, seq, self.chunks[-1].padded_vocab_size // ps.tp_size,
                              dtype=cfg.params_dtype, device=self.device, requires_grad=True)
         no_split = ps.pipeline_schedule in ZERO_BUBBLE_SCHEDULES and (fp8_recipe is not None or not split_weight_grads)
         stages = []
@@ -200,10 +205,10 @@ class Pipeline:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Forward + backward of ``[micro_batch_size * num_microbatches, seq]`` tokens; returns the mean
         token loss (fp32 scalar, on every pipeline rank)."""
-        expected = (self.micro_batch_size * self.num_microbatches, self.config.seq_length)
+        expected = (self.micro_batch_size * self.num_microbatches, self._local_seq_length())
         if tuple(input_ids.shape) != expected or tuple(labels.shape) != expected:
             raise ValueError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} / labels {tuple(labels.shape)} must be "
-                             f"[--micro-batch-size x micro-batches, --seq-length] = {list(expected)}")
+                             f"[--micro-batch-size x micro-batches, --seq-length / CP] = {list(expected)}")
         mask = torch.ones(expected, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
         self._step_tokens = mask.sum().clamp(min=1.0)
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
