@@ -10,6 +10,7 @@ collective             bytes charged to the calling rank
 all-gather             ``B(local shard) * (n - 1)``  (every peer needs our shard)
 reduce-scatter         ``B(input) / n * (n - 1)``    (one output-sized chunk per peer)
 all-reduce             ``2 * B(tensor) * (n - 1) // n`` (reduce-scatter + all-gather)
+all-to-all             ``B(input) / n * (n - 1)``    (one equal chunk to each peer; ours stays)
 send                   ``B(tensor)``; a receive is charged nothing (the sender paid)
 =====================  =========================================================
 
@@ -252,6 +253,22 @@ def all_reduce(tensor: torch.Tensor, handle: GroupHandle, kind: str,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``tensor``; returns it for chaining."""
     return all_reduce_async(tensor, handle, kind, op).wait()
+
+
+def all_to_all_single_async(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle,
+                            kind: str) -> PendingCollective:
+    """Chunk ``i`` of ``input_`` (dim 0, ``size`` equal chunks) goes to member ``i``; ``output``'s chunk ``j``
+    comes from member ``j``. Accepts float8 tensors (sent as uint8)."""
+    if output.dtype != input_.dtype or output.numel() != input_.numel() or input_.numel() % handle.size:
+        raise ValueError(f"all_to_all_single: output {tuple(output.shape)} {output.dtype} and input "
+                         f"{tuple(input_.shape)} {input_.dtype} must match and split into {handle.size} chunks")
+    if handle.size == 1:
+        output.copy_(input_)
+        return PendingCollective(output)
+    handle.counters.add(kind, _nbytes(input_) // handle.size * (handle.size - 1))
+    work = dist.all_to_all_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
+                                  async_op=True)
+    return PendingCollective(output, work)
 
 
 def split_along_dim(input_: torch.Tensor, handle: GroupHandle, dim: int = 0) -> torch.Tensor:

@@ -2,6 +2,8 @@
 its grads are complete (reduce-scatter for the distributed optimizer, all-reduce for plain DDP), and
 the bucketed parameter all-gather that follows a ZeRO step (high precision, or FP8 bytes; a weight the
 saturation guard moved out of FP8 travels in high precision beside its FP8 bucket: switched_weight.py).
+With ``--fp8-grad-reduce`` the buckets of FP8 layers' weights are reduce-scattered as FP8 bytes instead
+(an all-to-all and a local fp32 sum: fp8_grad_reduce.py).
 
 Layout (Megatron-Core's ``ParamAndGradBuffer``): parameters are laid out in reverse registration order
 (the order backward finishes them) in one flat buffer per parameter dtype. Every parameter starts on a
@@ -34,6 +36,7 @@ from torch import nn
 from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
+from megafp8.parallel.fp8_grad_reduce import fp8_reduce_scatter_async
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.switched_weight import SwitchedWeight
 
@@ -44,7 +47,7 @@ ALIGN = 128  # elements; also the optimizer's codec group size
 class DDPConfig:
     """The data-parallel flags (Megatron names): --use-distributed-optimizer, --overlap-grad-reduce,
     --overlap-param-gather, --fp8-param-gather, --grad-reduce-in-bf16, --ddp-bucket-size (elements;
-    None = one bucket per kind of parameter). ``fp8_recipe``: the run's recipe, for FP8 layers that
+    None = one bucket per kind of parameter), --fp8-grad-reduce. ``fp8_recipe``: the run's recipe, for FP8 layers that
     follow fp8_autocast instead of holding their own. ``num_microbatches``: backward passes per iteration
     that run outside ``no_sync()`` (a pipeline schedule runs all of them; see ``DistributedDataParallel``)."""
 
@@ -53,6 +56,7 @@ class DDPConfig:
     overlap_param_gather: bool = False
     fp8_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
+    fp8_grad_reduce: bool = False
     bucket_size: int | None = None
     fp8_recipe: Fp8Recipe | None = None
     num_microbatches: int = 1
@@ -64,16 +68,17 @@ class DDPConfig:
             raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (the owner of a shard casts it)")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.fp8_grad_reduce and not self.use_distributed_optimizer:
+            raise ValueError("--fp8-grad-reduce needs --use-distributed-optimizer (it is a reduce-scatter)")
 
     @classmethod
     def from_args(cls, args, fp8_recipe: Fp8Recipe | None = None) -> "DDPConfig":
-        if getattr(args, "fp8_grad_reduce", False):  # parsed ahead of its implementation (issue 21)
-            raise NotImplementedError("--fp8-grad-reduce is not implemented yet")
         return cls(use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
                    overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
                    overlap_param_gather=getattr(args, "overlap_param_gather", False),
                    fp8_param_gather=getattr(args, "fp8_param_gather", False),
                    grad_reduce_in_bf16=getattr(args, "grad_reduce_in_bf16", False),
+                   fp8_grad_reduce=getattr(args, "fp8_grad_reduce", False),
                    bucket_size=getattr(args, "ddp_bucket_size", None), fp8_recipe=fp8_recipe,
                    num_microbatches=getattr(args, "num_micro_batches", None) or 1)
 
@@ -100,10 +105,10 @@ class Bucket:
     param_data: torch.Tensor | None  # high-precision values (None for a released FP8 bucket)
     fp8: bool = False                # weights of FP8 layers, gathered as FP8 bytes
     fp8_data: torch.Tensor | None = None  # uint8, the gathered FP8 bytes (FP8 buckets)
+    fp8_grad: bool = False           # weights of FP8 layers, grads reduce-scattered as FP8 (--fp8-grad-reduce)
     ready: dict = field(default_factory=dict)  # param -> backward passes seen this iteration
     deferred: bool = False  # holds a tied-embedding copy: reduced in finish_grad_sync, not in backward
-    grad_work: object = None
-    grad_shard_out: torch.Tensor | None = None
+    grad_work: object = None  # the DP reduction in flight; its wait() gives this rank's reduced shard
     param_work: object = None
     param_sync_pending: bool = False
 
@@ -178,6 +183,10 @@ class DistributedDataParallel(nn.Module):
         # (take_guard_switches moves it to switched_weights; its bucket keeps the FP8 layout).
         self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
         self.switched_weights: dict[nn.Parameter, SwitchedWeight] = {}
+        # The weights whose grads are reduced as FP8 (fixed at construction: a weight the guard later switches
+        # keeps its bucket; its grads are as well-scaled as any other's, the guard acts on forward casts).
+        self.fp8_grad_params = set(_fp8_params(module, self.config.fp8_recipe)) if self.config.fp8_grad_reduce \
+            else set()
         self.tied_embedding_params = _tied_embedding_params(module, parallel_state)
         grad_dtype = torch.bfloat16 if self.config.grad_reduce_in_bf16 else torch.float32
         params = [p for p in module.parameters() if p.requires_grad]
@@ -205,7 +214,7 @@ class DistributedDataParallel(nn.Module):
         current: list[nn.Parameter] = []
         current_numel = 0
         for p in reversed(params):  # backward finishes the last layers first
-            if current and ((p in self.fp8_params) != (current[0] in self.fp8_params) or (
+            if current and (self._fp8_bucketed(p) != self._fp8_bucketed(current[0]) or (
                     self.config.bucket_size is not None and current_numel >= self.config.bucket_size)):
                 groups.append(current)
                 current, current_numel = [], 0
@@ -227,13 +236,17 @@ class DistributedDataParallel(nn.Module):
         for group, offset, numel, ranges in layouts:
             param_data = torch.zeros(numel, dtype=group[0].dtype, device=grad_buffer.device)
             bucket = Bucket(len(self.buckets), group, offset, numel, ranges, grad_buffer[offset:offset + numel],
-                            param_data, fp8=group[0] in self.fp8_params,
+                            param_data, fp8=group[0] in self.fp8_params, fp8_grad=group[0] in self.fp8_grad_params,
                             deferred=any(p in self.tied_embedding_params for p in group))
             for p, (start, end) in ranges.items():
                 param_data[start:end].copy_(p.detach().reshape(-1))
                 p.data = param_data[start:end].view(p.shape)
                 p.main_grad = bucket.grad_data[start:end].view(p.shape)
             self.buckets.append(bucket)
+
+    def _fp8_bucketed(self, p: nn.Parameter) -> bool:
+        """FP8 layers' weights share buckets only with each other (both FP8 paths select the same weights)."""
+        return p in self.fp8_params or p in self.fp8_grad_params
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -272,7 +285,7 @@ class DistributedDataParallel(nn.Module):
             grad_buffer.zero_()
         for bucket in self.buckets:
             bucket.ready.clear()
-            bucket.grad_work = bucket.grad_shard_out = None
+            bucket.grad_work = None
         for p in self.bucket_of:
             p.grad = None
 
@@ -294,11 +307,12 @@ class DistributedDataParallel(nn.Module):
             bucket.grad_work = True
             return
         bucket.grad_data.div_(self.dp.size)  # average over DP (sum of per-replica mean losses / DP)
-        if self.distributed:
+        if bucket.fp8_grad:
+            bucket.grad_work = fp8_reduce_scatter_async(bucket.grad_data, self.dp, "dp_grad_reduce")
+        elif self.distributed:
             size = bucket.numel // self.dp.size
-            bucket.grad_shard_out = torch.empty(size, dtype=bucket.grad_data.dtype, device=bucket.grad_data.device)
-            bucket.grad_work = C.reduce_scatter_tensor_async(bucket.grad_shard_out, bucket.grad_data, self.dp,
-                                                             "dp_grad_reduce")
+            shard_out = torch.empty(size, dtype=bucket.grad_data.dtype, device=bucket.grad_data.device)
+            bucket.grad_work = C.reduce_scatter_tensor_async(shard_out, bucket.grad_data, self.dp, "dp_grad_reduce")
         else:
             bucket.grad_work = C.all_reduce_async(bucket.grad_data, self.dp, "dp_grad_reduce")
 
@@ -310,11 +324,10 @@ class DistributedDataParallel(nn.Module):
                 self._start_grad_reduce(bucket)
         for bucket in self.buckets:
             if bucket.grad_work is not True:
-                bucket.grad_work.wait()
-            if bucket.grad_shard_out is not None:
-                start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
-                bucket.grad_data[start:end].copy_(bucket.grad_shard_out)
-                bucket.grad_shard_out = None
+                reduced = bucket.grad_work.wait()
+                if self.distributed:  # a shard (reduce-scatter or FP8); plain DDP reduced grad_data in place
+                    start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
+                    bucket.grad_data[start:end].copy_(reduced)
             bucket.grad_work = True
 
     # ---- parameters ---------------------------------------------------------------------------
