@@ -43,6 +43,7 @@ class Fp8GemmModule(nn.Module):
         self.guard_high_precision = False
         self.telemetry_enabled = False
         self.forced_overflow_factor: float | None = None
+        self.wgrad_deferral = None  # a zero-bubble pipeline chunk's WgradDeferral (deferred_wgrad.py)
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor, bool] | None = None  # (key, weight, observed)

@@ -268,6 +268,17 @@ def _wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, tor
     return route_grad(weight, grad)
 
 
+def _deferred_wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, torch.Tensor],
+                    weight: torch.Tensor, args: Fp8LinearArgs):
+    """The wgrad B queued for the W pass: the same GEMM on the same FP8 operands, run later."""
+    def run() -> torch.Tensor | None:
+        data_t, scale_t = x_t
+        if args.sp_input is not None:  # this rank's x^T columns: gathered over TP now, in W
+            data_t = args.sp_input.gather_cols_async(data_t).wait()
+        return _wgrad(dy_t, (data_t, scale_t), weight, args.wgrad_column_scale)
+    return run
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, args: Fp8LinearArgs, *prologue_params):
@@ -298,7 +309,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if args.sp_output is not None:
             y = args.sp_output.reduce_scatter_rows_async(y).wait()  # partial sums -> this rank's sequence shard
 
-        ctx.args, ctx.weight_fp8 = args, weight_fp8  # the module owns the FP8 weight
+        deferral = getattr(layer, "wgrad_deferral", None)
+        if deferral is not None and needs_wgrad and args.observe:
+            deferral.expect(weight)  # a zero-bubble stage's W pass delivers this gradient (deferred_wgrad.py)
+        # The leaf itself: a recomputed forward's saved copy of it (torch.utils.checkpoint) is another object.
+        ctx.args, ctx.weight_fp8, ctx.weight_param = args, weight_fp8, weight  # the module owns the FP8 weight
         ctx.x_dtype, ctx.x_shape = x_dtype, x_shape
         # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
         ctx.save_for_backward(*(x_t or (None, None)), weight, bias,
@@ -312,8 +327,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe, layer = args.recipe, args.layer
         prologue_needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]) if args.prologue is not None else ()
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0] or any(prologue_needs), ctx.needs_input_grad[1]
-        # Under SP the saved x^T is this rank's columns: re-gather them while dY is quantized and dgrad runs.
-        x_t_pending = args.sp_input.gather_cols_async(x_t) if needs_wgrad and args.sp_input is not None else None
+        deferral = getattr(layer, "wgrad_deferral", None)
+        defer = needs_wgrad and deferral is not None and deferral.active and ctx.weight_param in deferral.expected
+        # Under SP the saved x^T is this rank's columns: re-gather them while dY is quantized and dgrad runs
+        # (deferred: in the W pass, so B holds only the local shard).
+        x_t_pending = args.sp_input.gather_cols_async(x_t) if needs_wgrad and args.sp_input is not None \
+            and not defer else None
 
         dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         if args.sp_output is not None:
@@ -337,7 +356,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         # ---- wgrad: dW = dY^T @ x, while dgrad's reduction is in flight ----
         grad_weight = None
-        if needs_wgrad:
+        if defer:
+            deferral.push(ctx.weight_param, _deferred_wgrad(dy_fp8.col_major(), (x_t, x_scale_t), ctx.weight_param, args),
+                          (*dy_fp8.col_major(), x_t, x_scale_t))
+        elif needs_wgrad:
             if x_t_pending is not None:
                 x_t = x_t_pending.wait()
             grad_weight = _wgrad(dy_fp8.col_major(), (x_t, x_scale_t), weight, args.wgrad_column_scale)

@@ -20,13 +20,18 @@ point-to-point transfers. megafp8 owns what torch cannot know:
   group (``ParallelState.amax_group``).
 
 Zero-bubble schedules split each backward into an input-gradient (B) and a weight-gradient (W) pass.
-torch implements W by re-running autograd from saved intermediates, which calls a custom autograd
-Function's backward a second time: the FP8 linear op would compute and accumulate its wgrad (into
-``main_grad``) twice and repeat its sequence-parallel collectives. So with an FP8 recipe, and unless
-``split_weight_grads=True`` is asked for, the W pass is empty and B computes both gradients: correct,
-without the bubble saving. The split is opt-in because torch's W pass bypasses post-accumulate-grad
-hooks, which feed ``DistributedDataParallel``'s grad buffer: under it ``main_grad`` would silently stay
-zero. Pass ``True`` only for a model whose gradients are read from ``.grad`` (no grad buffer).
+torch implements W by re-running autograd from saved intermediates, which would call the FP8 linear's
+autograd Function a second time (its wgrad accumulated into ``main_grad`` twice, its sequence-parallel
+collectives repeated) and bypasses post-accumulate-grad hooks (which feed ``DistributedDataParallel``'s
+grad buffer). So with an FP8 recipe megafp8 splits the FP8 weight gradient itself
+(``megafp8.fp8.deferred_wgrad``): B runs autograd over this chunk's inputs and every parameter except
+the FP8 linears' weights, and each FP8 linear queues its wgrad GEMM (its FP8 ``dY^T`` / ``x^T``); the
+stage's ``dw_builder`` hands that queue to W, which runs the wgrads into ``main_grad`` and fires the
+weights' grad hooks once, as the unsplit backward would. Non-FP8 parameters (norms, embedding, a BF16
+head or first/last layers) get their gradients in B. Without FP8 the W pass is empty (B computes both
+gradients) unless ``split_weight_grads=True`` asks for torch's own split, which is only for a model whose
+gradients are read from ``.grad`` (no grad buffer: torch's W assigns ``.grad`` and skips the hooks).
+``split_weight_grads=False`` with FP8 turns the deferral off (empty W).
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager
+from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, Fp8ScalingManager
+from megafp8.fp8.deferred_wgrad import WgradDeferral
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.parallel import collectives as C
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -76,6 +82,57 @@ class _CountedStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._count(super().get_bwd_send_ops(bwd_chunk_id))
+
+
+class _DeferringStage(_CountedStage):
+    """A zero-bubble stage whose FP8 weight gradients are split off into W by the chunk's WgradDeferral."""
+
+    def __init__(self, *args, deferral: WgradDeferral, **kwargs) -> None:
+        super().__init__(*args, dw_builder=deferral.take, **kwargs)
+        self._deferral = deferral
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        with self._deferral.deferring():  # a full backward (B then W at once) defers too: dw_builder()() runs it
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full":  # with a dw_builder torch only asks for "full"
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return _backward_except(bwd_kwargs, self.submod.parameters(), self._deferral.expected), None
+
+
+def _flat_tensors(value, grad, outputs: list, grads: list) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad or value.grad_fn is not None:
+            outputs.append(value)
+            grads.append(grad)
+    elif isinstance(value, (tuple, list)) and grad is not None:
+        for v, g in zip(value, grad):
+            _flat_tensors(v, g, outputs, grads)
+    elif isinstance(value, (tuple, list)):  # the last stage's loss comes without output grads
+        for v in value:
+            _flat_tensors(v, None, outputs, grads)
+
+
+def _backward_except(bwd_kwargs: dict, params, deferred: set) -> tuple[torch.Tensor | None, ...]:
+    """torch's stage_backward, with the deferred FP8 weights left out of autograd's ``inputs``: their
+    AccumulateGrad (and grad-buffer hooks) run in W, from the deferral, not here."""
+    outputs: list[torch.Tensor] = []
+    grads: list[torch.Tensor | None] = []
+    _flat_tensors(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], outputs, grads)
+    values = bwd_kwargs["input_values"]
+    inputs = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    inputs += [p for p in dict.fromkeys(params) if p.requires_grad and p not in deferred]
+    if not inputs:  # an empty list would mean "every leaf" to autograd
+        raise RuntimeError("zero-bubble FP8 stage: nothing but FP8 weights needs a gradient in B")
+    torch.autograd.backward(outputs, grad_tensors=grads, inputs=inputs)
+    grad_inputs = []
+    for v in values:
+        grad_inputs.append(v.grad if isinstance(v, torch.Tensor) else None)
+        if isinstance(v, torch.Tensor):
+            v.grad = None  # sent on; as torch's stage_backward, free it once the send is done
+    return tuple(grad_inputs)
 
 
 class _StageModule(nn.Module):
@@ -126,7 +183,7 @@ class Pipeline:
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
                  num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
-                 split_weight_grads: bool = False, device: torch.device | str | None = None,
+                 split_weight_grads: bool | None = None, device: torch.device | str | None = None,
                  reduce_replicated_grads: bool = True) -> None:
         ps = parallel_state
         # False when a DistributedDataParallel grad buffer does these reductions itself (once per bucket).
@@ -158,6 +215,7 @@ class Pipeline:
         self.fp8_manager: Fp8ScalingManager | None = (
             fp8_scaling_manager(self.modules, ps) if fp8_recipe is not None and fp8_recipe.is_delayed else None)
         self._step_tokens = torch.ones(())
+        self.deferrals: list[WgradDeferral] = []  # one per chunk when FP8 wgrads are split into W
         self.schedule = self._build_schedule(fp8_recipe, split_weight_grads) if ps.pp_enabled else None
 
     # ---- construction ---------------------------------------------------------------------------
@@ -178,16 +236,25 @@ class Pipeline:
         ids = torch.empty(self.micro_batch_size, seq, dtype=torch.long, device=self.device)
         logits = torch.empty(self.micro_batch_size, seq, self.chunks[-1].padded_vocab_size // ps.tp_size,
                              dtype=cfg.params_dtype, device=self.device, requires_grad=True)
-        no_split = ps.pipeline_schedule in ZERO_BUBBLE_SCHEDULES and (fp8_recipe is not None or not split_weight_grads)
+        zero_bubble = ps.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
+        fp8_split = zero_bubble and fp8_recipe is not None and split_weight_grads is not False
+        no_split = zero_bubble and not fp8_split and not (fp8_recipe is None and split_weight_grads)
         stages = []
         for stage_id, chunk in zip(self.stage_ids, self.chunks):
-            stages.append(_CountedStage(
-                _StageModule(chunk), stage_id, self.layout.num_stages, self.device,
-                input_args=ids if chunk.pre_process else hidden,
-                output_args=logits if chunk.post_process else hidden,
-                group=ps.pp_group.group, counters=ps.comm,
-                # An empty W pass: B computes input and weight grads together (module docstring).
-                dw_builder=(lambda: (lambda: None)) if no_split else None))
+            kwargs = dict(input_args=ids if chunk.pre_process else hidden,
+                          output_args=logits if chunk.post_process else hidden,
+                          group=ps.pp_group.group, counters=ps.comm)
+            if fp8_split:  # FP8 wgrads in W, everything else in B (module docstring)
+                deferral = WgradDeferral()
+                for module in chunk.modules():
+                    if isinstance(module, Fp8GemmModule):
+                        module.wgrad_deferral = deferral
+                self.deferrals.append(deferral)
+                stages.append(_DeferringStage(_StageModule(chunk), stage_id, self.layout.num_stages, self.device,
+                                              deferral=deferral, **kwargs))
+            else:  # no_split: an empty W pass, B computes input and weight grads together
+                stages.append(_CountedStage(_StageModule(chunk), stage_id, self.layout.num_stages, self.device,
+                                            dw_builder=(lambda: (lambda: None)) if no_split else None, **kwargs))
         schedule_class = _SCHEDULE_CLASSES[ps.pipeline_schedule]
         if schedule_class is Schedule1F1B:
             return Schedule1F1B(stages[0], self.num_microbatches, loss_fn=self.microbatch_loss, scale_grads=False)
@@ -290,6 +357,8 @@ class Pipeline:
         return total
 
     def _run_schedule(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for deferral in self.deferrals:  # this step's forwards say which weights W delivers (guard switches)
+            deferral.expected.clear()
         args = (input_ids,) if self.holds_first_stage else ()
         target = torch.stack([labels.double(), mask.double()], dim=-1) if self.holds_last_stage else None
         losses: list[torch.Tensor] = []
@@ -300,6 +369,9 @@ class Pipeline:
             if _is_communication_failure(error):
                 raise PipelineCommunicationError(self._failure_message(error)) from error
             raise
+        left = [d.pending() for d in self.deferrals]
+        if any(left):  # a schedule that ran a B without its W: those weight grads would be lost
+            raise RuntimeError(f"zero-bubble step ended with {sum(left)} FP8 weight gradients never run by a W pass")
         loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=self.device)
         # Every pipeline rank returns the loss (the last stage computed it): one scalar all-reduce.
         return C.all_reduce(loss.reshape(1), self.parallel_state.pp_group, "pp_p2p").reshape(())
@@ -358,7 +430,7 @@ def _is_communication_failure(error: BaseException) -> bool:
 
 def build_pipeline(config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
                    num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
-                   split_weight_grads: bool = False, device: torch.device | str | None = None,
+                   split_weight_grads: bool | None = None, device: torch.device | str | None = None,
                    reduce_replicated_grads: bool = True) -> Pipeline:
     """This rank's stages and step for ``parallel_state`` (PP=1 included: then a plain accumulation loop).
 

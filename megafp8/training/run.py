@@ -26,9 +26,9 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
     pipeline = build_pipeline(config, parallel_state, micro_batch_size=args.micro_batch_size,
                               num_microbatches=args.num_micro_batches, fp8_recipe=recipe,
                               first_last_layers_bf16=args.first_last_layers_bf16,
-                              # The grad buffer is fed by post-accumulate-grad hooks, which a split
-                              # weight-gradient pass would bypass.
-                              split_weight_grads=False, reduce_replicated_grads=False)
+                              # The default split: FP8 wgrads in the zero-bubble W pass (they feed the grad
+                              # buffer's hooks there); without FP8 no split (torch's W would bypass those hooks).
+                              reduce_replicated_grads=False)
     ddp = DistributedDataParallel(pipeline.modules, parallel_state, DDPConfig.from_args(args, recipe))
     ddp.num_microbatches = args.num_micro_batches  # the schedule runs every backward: overlap on the last one
     optimizer = DistributedOptimizer(ddp, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,

@@ -1,0 +1,117 @@
+"""Zero-bubble schedules that split the FP8 weight gradient (megafp8/fp8/deferred_wgrad.py) under the DDP grad
+buffer with --overlap-grad-reduce, at PP=2: every ZB schedule's main_grad equals the same layout with the split
+off bit for bit (the same GEMMs on the same FP8 operands, each added once: a doubled or lost wgrad cannot pass),
+is >= 40 dB from the PP=1 FP8 run, and each bucket's overlapped reduction starts only once its main_grad is
+final (no W pass adds to it afterwards). Then through the training entry with its default flags: every ZB
+schedule trains like 1F1B (FP8 delayed losses within 1e-3)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_fixtures import write_synthetic_dataset
+from distributed_testing import run_distributed
+from fp8_testing import sqnr_db
+from megafp8.fp8 import Fp8Recipe
+from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.pipeline import build_pipeline
+from pipeline_testing import Case, config
+
+ZB_CASES = [Case(schedule="interleaved-zb", vpp=1, fp8=True), Case(schedule="zbv", tie=True, fp8=True),
+            Case(schedule="dualpipev", fp8=True, recompute="full")]
+MICRO = 4
+
+
+def _main_grads(case: Case, world_size: int, ids: torch.Tensor, split: bool):
+    cfg = config(case)
+    ps = ParallelState(world_size=world_size, pipeline_model_parallel_size=2, pipeline_schedule=case.schedule,
+                       num_layers_per_virtual_pipeline_stage=case.vpp).init_process_groups()
+    pipe = build_pipeline(cfg, ps, micro_batch_size=1, num_microbatches=MICRO, fp8_recipe=Fp8Recipe.delayed(),
+                          split_weight_grads=split, reduce_replicated_grads=False)
+    ddp = DistributedDataParallel(pipe.modules, ps, DDPConfig(overlap_grad_reduce=True, num_microbatches=MICRO,
+                                                              bucket_size=2000))
+    at_start: dict[str, torch.Tensor] = {}
+    real_start = ddp._start_grad_reduce
+
+    def recording_start(bucket):  # what each bucket's main_grad holds when its reduction starts
+        for p in bucket.params:
+            at_start[ddp.param_names[p]] = p.main_grad.clone()
+        real_start(bucket)
+    ddp._start_grad_reduce = recording_start
+    for _ in range(2):  # step 2 runs at delayed scales
+        ddp.zero_grad_buffer()
+        at_start.clear()
+        pipe.step(ids, ids.roll(-1, dims=1))
+        ddp.finish_grad_sync()
+    grads = {name: p.main_grad.clone() for name, p in pipe.named_parameters()}
+    if split:
+        assert pipe.deferrals and all(d.peak_bytes > 0 for d in pipe.deferrals), "no wgrad was deferred"
+        for name, grad in grads.items():
+            assert torch.equal(at_start[name], grad), f"{case}: {name} changed after its bucket's reduction began"
+    return grads
+
+
+def _split_body(rank: int, world_size: int) -> None:
+    for case in ZB_CASES:
+        cfg = config(case)
+        ids = torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_length), generator=torch.Generator().manual_seed(3))
+        reference = build_pipeline(cfg, ParallelState().init_process_groups(), micro_batch_size=1,
+                                   num_microbatches=MICRO, fp8_recipe=Fp8Recipe.delayed())
+        for _ in range(2):
+            reference.zero_grad()
+            reference.step(ids, ids.roll(-1, dims=1))
+        ref = dict(reference.named_parameters())
+        split = _main_grads(case, world_size, ids, split=True)
+        unsplit = _main_grads(case, world_size, ids, split=False)
+        for name, grad in split.items():
+            assert torch.equal(grad, unsplit[name]), f"{case}: {name} split != unsplit"
+            want = ref["embedding.weight" if case.tie and name == "output_layer.weight" else name].grad
+            assert sqnr_db(grad, want) >= 40, (str(case), name, sqnr_db(grad, want))
+
+
+@pytest.mark.distributed
+def test_zero_bubble_fp8_split_matches_unsplit_and_pp1():
+    run_distributed(_split_body, world_size=2, timeout_s=600)
+
+
+ENTRY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-layers", "4", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
+         "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "3", "--eval-iters", "0", "--log-interval", "1",
+         "--distributed-timeout-minutes", "1", "--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"]
+ENTRY_RUNS = {"1f1b": [], "interleaved-zb": ["--num-layers-per-virtual-pipeline-stage", "1"], "zbv": [],
+              "dualpipev": []}
+
+
+def _entry_body(rank: int, world_size: int, prefix: str, out: str) -> None:
+    from megafp8.training.arguments import parse_args
+    from megafp8.training.data_setup import tokenizer_vocab_size
+    from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args
+    from megafp8.training.run import run
+
+    for schedule, flags in ENTRY_RUNS.items():
+        args = parse_args([*ENTRY, "--pipeline-schedule", schedule, *flags, "--data-path", prefix,
+                           "--log-dir", f"{out}/{schedule}"], world_size)
+        assert run(args, parallel_state_from_args(args), model_config_from_args(args, tokenizer_vocab_size(args))) == 0
+
+
+def _losses(log_dir: Path) -> list[float]:
+    return [r["lm_loss"] for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())
+            if "lm_loss" in r]
+
+
+@pytest.mark.distributed
+def test_training_entry_zero_bubble_fp8_trains_like_1f1b(tmp_path):
+    prefix = str(tmp_path / "synthetic_text_document")
+    write_synthetic_dataset(prefix, [40] * 60, vocab_size=300)
+    run_distributed(_entry_body, world_size=2, args=(prefix, str(tmp_path / "runs")), timeout_s=600)
+    reference = _losses(tmp_path / "runs" / "1f1b")
+    assert len(reference) == 3
+    for schedule in ENTRY_RUNS:
+        losses = _losses(tmp_path / "runs" / schedule)
+        assert len(losses) == 3, schedule
+        for got, want in zip(losses, reference):
+            assert abs(got - want) <= 1e-3 * abs(want), (schedule, losses, reference)
