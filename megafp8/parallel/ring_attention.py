@@ -1,0 +1,218 @@
+"""Blockwise causal attention over context-parallel ranks (ring p2p or all-gather of K/V), merged by log-sum-exp.
+
+Layout (Megatron-LM's load balancing for causal attention): the global sequence is cut into ``2N`` chunks
+of ``c`` tokens; CP rank ``r`` holds chunks ``r`` and ``2N-1-r``, concatenated (``s_local = 2c``). For the
+K/V of rank ``j`` seen by the queries of rank ``r`` there are three cases:
+
+* ``j == r`` (diagonal): a plain causal mask over the ``2c`` local tokens is exactly the global causal mask
+  (chunk ``r`` precedes chunk ``2N-1-r``);
+* ``j < r``: both query chunks see K/V chunk ``j`` entirely and never chunk ``2N-1-j`` -> all queries x the
+  first K/V half, no mask;
+* ``j > r``: only query chunk ``2N-1-r`` sees anything, and it sees both K/V chunks -> the second query
+  half x all K/V, no mask.
+
+So every block but the diagonal is half the work of a full block and unmasked; the masked halves are never
+computed. The math runs in fp32 (fp64 for fp64 inputs): per block scores, their log-sum-exp ``lse_i`` and
+``out_i``, merged as ``out = sum_i exp(lse_i - lse) out_i``. Backward recomputes each block's probabilities
+from the saved global ``lse`` (FlashAttention's ``delta = rowsum(dout * out)`` trick), so nothing of size
+``s x s`` is kept across blocks: saved are q, k, v, the output and ``lse`` (fp32, ``[b, heads, s_local]``).
+
+Traffic, charged to ``cp_kv_p2p`` (``B_kv`` = bytes of this rank's K and V in their dtype, ``B_dkv`` = the
+same shape in the compute dtype, fp32 for bf16/fp32 inputs):
+
+* ``p2p`` forward: ``(N-1) B_kv`` sent per rank, each step's send/recv issued before that step's block is
+  computed; backward: the K/V ring again, ``(N-1) B_kv``, plus the dK/dV accumulators travelling along the
+  ring back to their owner, ``N B_dkv`` (a partial sum leaves every rank once per step).
+* ``all_gather``: forward one all-gather, ``(N-1) B_kv`` (the diagonal block is computed while it is in
+  flight); backward gathers K/V again, ``(N-1) B_kv``, and reduce-scatters dK/dV, ``(N-1) B_dkv``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megafp8.parallel.collectives import (CommCounters, GroupHandle, PendingCollective, all_gather_into_tensor_async,
+                                          reduce_scatter_tensor)
+
+_KIND = "cp_kv_p2p"
+# gloo matches point-to-point messages by (peer, tag): K/V and dK/dV are in flight together in backward.
+_KV_TAG, _DKV_TAG = 1, 2
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _block_slices(cp_rank: int, src: int, chunk: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the block between this rank's queries and rank ``src``'s K/V."""
+    everything = slice(None)
+    if src == cp_rank:
+        return everything, everything, True
+    if src < cp_rank:
+        return everything, slice(0, chunk), False
+    return slice(chunk, None), everything, False
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """``[b, G, r, sq, sk]`` scaled scores; q ``[b, G, r, sq, d]``, k ``[b, G, 1, sk, d]``."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(mask, float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """In place: fold one block's (out, lse) into the running ones (rows already sliced)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def _block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
+    """(dq, dk, dv) of one block from the global lse/delta; dk/dv summed over the query heads of a group."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2, keepdim=True)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(dim=2, keepdim=True) * scale
+    return dq, dk, dv
+
+
+class _Ring:
+    """Send to the next CP rank, receive from the previous one (batch_isend_irecv), counted on send."""
+
+    def __init__(self, handle: GroupHandle) -> None:
+        n, r = handle.size, handle.rank
+        self.handle = handle
+        self.next, self.prev = handle.ranks[(r + 1) % n], handle.ranks[(r - 1) % n]
+
+    def exchange(self, send: torch.Tensor, tag: int) -> "_InFlight":
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.handle.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.handle.group, tag)]
+        self.handle.counters.add(_KIND, send.numel() * send.element_size())
+        return _InFlight(recv, dist.batch_isend_irecv(ops), send)
+
+
+class _InFlight:
+    def __init__(self, recv: torch.Tensor, works, send: torch.Tensor) -> None:
+        self._recv, self._works, self._send = recv, works, send  # keep `send` alive until it is on the wire
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works, self._send = [], None
+        return self._recv
+
+
+def _split_heads(q, k, v, ct):
+    """q ``[b, H, s, d]`` -> ``[b, G, r, s, d]``; packed K/V ``[2, b, G, s, d]`` (query head i uses KV head i // r)."""
+    b, heads, s, d = q.shape
+    groups = k.shape[1]
+    return q.reshape(b, groups, heads // groups, s, d).to(ct), torch.stack([k, v]).contiguous()
+
+
+def _kv_block(kv: torch.Tensor, rows: slice, ct) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[0, :, :, None, rows].to(ct), kv[1, :, :, None, rows].to(ct)
+
+
+def _forward(q, k, v, handle: GroupHandle, comm_type: str):
+    """Output ``[b, H, s, d]`` in q's dtype and ``lse`` ``[b, G, r, s]`` in the compute dtype."""
+    n, r, ct = handle.size, handle.rank, _compute_dtype(q.dtype)
+    q5, kv = _split_heads(q, k, v, ct)
+    chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
+    out = torch.zeros(q5.shape, dtype=ct, device=q.device)
+    lse = torch.full(q5.shape[:-1], float("-inf"), dtype=ct, device=q.device)
+    gathered = _gather_async(kv, handle) if comm_type == "all_gather" else None
+    ring = _Ring(handle) if comm_type == "p2p" else None
+    for step in range(n):
+        src = (r - step) % n
+        if gathered is not None and step == 1:
+            all_kv = gathered.wait()
+        if gathered is not None and step > 0:
+            kv = all_kv[src]
+        pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
+        q_rows, k_rows, causal = _block_slices(r, src, chunk)
+        block_out, block_lse = _block_forward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), causal, scale)
+        _merge(out[..., q_rows, :], lse[..., q_rows], block_out, block_lse)
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype).reshape(q.shape), lse
+
+
+def _gather_async(kv: torch.Tensor, handle: GroupHandle):
+    # gloo wants the output as the dim-0 concatenation of the inputs: [N * 2, ...], viewed [N, 2, ...] after.
+    all_kv = torch.empty((handle.size * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    pending = all_gather_into_tensor_async(all_kv, kv, handle, _KIND)
+    return PendingCollective(pending, finish=lambda p: p.wait().view(handle.size, *kv.shape))
+
+
+def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
+    n, r, ct = handle.size, handle.rank, _compute_dtype(q.dtype)
+    q5, kv = _split_heads(q, k, v, ct)
+    chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
+    dout5 = dout.reshape(q5.shape).to(ct)
+    delta = (dout5 * out.reshape(q5.shape).to(ct)).sum(dim=-1)
+    dq = torch.zeros_like(q5)
+    if comm_type == "all_gather":
+        all_kv = _gather_async(kv, handle).wait()
+        all_dkv = torch.zeros(all_kv.shape, dtype=ct, device=q.device)
+    ring = _Ring(handle) if comm_type == "p2p" else None
+    dkv_pending = None
+    for step in range(n):
+        src = (r - step) % n
+        if ring is None:
+            kv = all_kv[src]
+        kv_pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
+        q_rows, k_rows, causal = _block_slices(r, src, chunk)
+        dq_b, dk_b, dv_b = _block_backward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), dout5[..., q_rows, :],
+                                           lse[..., q_rows], delta[..., q_rows], causal, scale)
+        dq[..., q_rows, :] += dq_b
+        dkv = all_dkv[src] if ring is None else torch.zeros(kv.shape, dtype=ct, device=q.device)
+        dkv[0, :, :, k_rows] += dk_b.squeeze(2)
+        dkv[1, :, :, k_rows] += dv_b.squeeze(2)
+        if ring is not None:
+            # The accumulator of rank src's dK/dV moves with its K/V; after N hops it is home, complete.
+            if dkv_pending is not None:
+                dkv += dkv_pending.wait()
+            dkv_pending = ring.exchange(dkv, _DKV_TAG)
+        if kv_pending is not None:
+            kv = kv_pending.wait()
+    if ring is not None:
+        dkv = dkv_pending.wait()
+    else:
+        dkv = torch.empty(all_dkv.shape[1:], dtype=ct, device=q.device)
+        reduce_scatter_tensor(dkv, all_dkv.view(-1, *all_dkv.shape[2:]), handle, _KIND)
+    return dq.to(q.dtype).reshape(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, handle: GroupHandle, comm_type: str):
+        out, lse = _forward(q, k, v, handle, comm_type)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.handle, ctx.comm_type = handle, comm_type
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward(q, k, v, out, lse, dout, ctx.handle, ctx.comm_type), None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, cp_rank: int,
+                   cp_size: int, comm_type: str, counters: CommCounters | None) -> torch.Tensor:
+    """Differentiable CP attention (shapes checked by the caller); see the module docstring."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if len(ranks) != cp_size:
+        raise ValueError(f"context parallel attention: the CP group has {len(ranks)} ranks, cp_size is {cp_size}")
+    handle = GroupHandle(group=group, ranks=ranks, rank=cp_rank, counters=counters or CommCounters())
+    return _ContextParallelAttention.apply(q, k, v, handle, comm_type)
