@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from distributed_testing import run_distributed
+from megafp8.parallel import ring_attention
 from megafp8.parallel.collectives import CommCounters
 from megafp8.parallel.context_parallel import (context_parallel_attention, gather_from_context_parallel,
                                                load_balanced_chunk_ids, local_positions, split_for_context_parallel)
@@ -71,6 +72,11 @@ def _body(rank, world_size):
             _check(group, rank, world_size, comm_type, heads, kv_heads, chunk, torch.float64, seed=chunk)
     _check(group, rank, world_size, "p2p", 4, 2, 4, torch.float32, seed=1)
     _check(group, rank, world_size, "p2p", 4, 1, 4, torch.bfloat16, seed=2)
+    # Query-row tiles smaller than a chunk (tiles straddle the two chunks and the diagonal's mask offset).
+    ring_attention.Q_TILE_ROWS = 4
+    for comm_type in ("p2p", "all_gather"):
+        _check(group, rank, world_size, comm_type, 4, 2, 5, torch.float64, seed=3)
+    ring_attention.Q_TILE_ROWS = 1024
     if world_size == 4:
         # CP groups whose global ranks are strided (TP innermost): {0, 2} and {1, 3}.
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]

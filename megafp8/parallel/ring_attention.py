@@ -12,7 +12,8 @@ K/V of rank ``j`` seen by the queries of rank ``r`` there are three cases:
   half x all K/V, no mask.
 
 So every block but the diagonal is half the work of a full block and unmasked; the masked halves are never
-computed. The math runs in fp32 (fp64 for fp64 inputs): per block scores, their log-sum-exp ``lse_i`` and
+computed. Blocks run in tiles of ``Q_TILE_ROWS`` query rows (diagonal tiles also drop their fully masked
+keys), so the transient fp32 scores stay linear in the local sequence length. The math runs in fp32 (fp64 for fp64 inputs): per block scores, their log-sum-exp ``lse_i`` and
 ``out_i``, merged as ``out = sum_i exp(lse_i - lse) out_i``. Backward recomputes each block's probabilities
 from the saved global ``lse`` (FlashAttention's ``delta = rowsum(dout * out)`` trick), so nothing of size
 ``s x s`` is kept across blocks: saved are q, k, v, the output and ``lse`` (fp32, ``[b, heads, s_local]``).
@@ -43,27 +44,41 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _block_slices(cp_rank: int, src: int, chunk: int) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal) of the block between this rank's queries and rank ``src``'s K/V."""
-    everything = slice(None)
+# Query rows per tile of a block: the fp32 scores of a tile are ``b * heads * Q_TILE_ROWS * s_k`` elements,
+# so the transient memory grows linearly in the local sequence, not quadratically. Rows are independent
+# (each has its own lse), so tiling changes nothing in the math; a test sets it small to exercise the seams.
+Q_TILE_ROWS = 1024
+
+
+def _block_tiles(cp_rank: int, src: int, chunk: int):
+    """(query rows, key rows, causal offset or None) of each tile of the block between this rank's queries
+    and rank ``src``'s K/V. Diagonal tiles drop the keys after their last row (fully masked) and mask the
+    rest with ``key > offset + row``; off-diagonal blocks are half blocks without a mask."""
     if src == cp_rank:
-        return everything, everything, True
-    if src < cp_rank:
-        return everything, slice(0, chunk), False
-    return slice(chunk, None), everything, False
+        rows, keys = range(0, 2 * chunk), None
+    elif src < cp_rank:
+        rows, keys = range(0, 2 * chunk), slice(0, chunk)
+    else:
+        rows, keys = range(chunk, 2 * chunk), slice(None)
+    for start in range(rows.start, rows.stop, Q_TILE_ROWS):
+        stop = min(start + Q_TILE_ROWS, rows.stop)
+        if keys is None:
+            yield slice(start, stop), slice(0, stop), start
+        else:
+            yield slice(start, stop), keys, None
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal_offset: int | None, scale: float) -> torch.Tensor:
     """``[b, G, r, sq, sk]`` scaled scores; q ``[b, G, r, sq, d]``, k ``[b, G, 1, sk, d]``."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
+    if causal_offset is not None:
         sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu_(1)
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu_(causal_offset + 1)
         scores.masked_fill_(mask, float("-inf"))
     return scores
 
 
-def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_forward(q, k, v, causal: int | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
@@ -76,7 +91,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new_lse)
 
 
-def _block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
+def _block_backward(q, k, v, dout, lse, delta, causal: int | None, scale: float):
     """(dq, dk, dv) of one block from the global lse/delta; dk/dv summed over the query heads of a group."""
     p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2, keepdim=True)
@@ -140,9 +155,9 @@ def _forward(q, k, v, handle: GroupHandle, comm_type: str):
         if gathered is not None and step > 0:
             kv = all_kv[src]
         pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
-        q_rows, k_rows, causal = _block_slices(r, src, chunk)
-        block_out, block_lse = _block_forward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), causal, scale)
-        _merge(out[..., q_rows, :], lse[..., q_rows], block_out, block_lse)
+        for q_rows, k_rows, causal in _block_tiles(r, src, chunk):
+            block_out, block_lse = _block_forward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), causal, scale)
+            _merge(out[..., q_rows, :], lse[..., q_rows], block_out, block_lse)
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype).reshape(q.shape), lse
@@ -172,13 +187,13 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
         if ring is None:
             kv = all_kv[src]
         kv_pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
-        q_rows, k_rows, causal = _block_slices(r, src, chunk)
-        dq_b, dk_b, dv_b = _block_backward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), dout5[..., q_rows, :],
-                                           lse[..., q_rows], delta[..., q_rows], causal, scale)
-        dq[..., q_rows, :] += dq_b
         dkv = all_dkv[src] if ring is None else torch.zeros(kv.shape, dtype=ct, device=q.device)
-        dkv[0, :, :, k_rows] += dk_b.squeeze(2)
-        dkv[1, :, :, k_rows] += dv_b.squeeze(2)
+        for q_rows, k_rows, causal in _block_tiles(r, src, chunk):
+            dq_b, dk_b, dv_b = _block_backward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), dout5[..., q_rows, :],
+                                               lse[..., q_rows], delta[..., q_rows], causal, scale)
+            dq[..., q_rows, :] += dq_b
+            dkv[0, :, :, k_rows] += dk_b.squeeze(2)
+            dkv[1, :, :, k_rows] += dv_b.squeeze(2)
         if ring is not None:
             # The accumulator of rank src's dK/dV moves with its K/V; after N hops it is home, complete.
             if dkv_pending is not None:
