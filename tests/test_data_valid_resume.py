@@ -31,7 +31,7 @@ class _Numbered(torch.utils.data.Dataset):
 
 
 def _dp(rank: int, size: int) -> SimpleNamespace:
-    return SimpleNamespace(dp_group=SimpleNamespace(rank=rank, size=size))
+    return SimpleNamespace(data_parallel_rank=rank, dp_size=size)
 
 
 def _global_batches(dataset, consumed: int, micro_batch: int, dp_size: int, count: int) -> list[list[int]]:

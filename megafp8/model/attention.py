@@ -17,6 +17,7 @@ from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
 from megafp8.model.recompute import recompute
 from megafp8.model.rotary import apply_rotary
+from megafp8.parallel.context_parallel import context_parallel_attention
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
 
@@ -32,6 +33,8 @@ class SelfAttention(nn.Module):
         self.local_heads = config.num_attention_heads // tp_size
         self.local_groups = config.num_query_groups // tp_size
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        # Context parallelism: this rank holds 2 of each sequence's 2 x CP chunks; K/V travel over the CP group.
+        self.parallel_state = parallel_state
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, parallel_state,
                                                init_method=init_method_normal(config.init_method_std),
@@ -65,6 +68,11 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         # enable_gqa maps query head i to KV head i // r, matching the group-major head order above.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=self.local_heads != self.local_groups)
+        gqa = self.local_heads != self.local_groups
+        ps = self.parallel_state
+        if ps.cp_size > 1:  # ring (or all-gather) attention over the CP ranks, merged by log-sum-exp
+            out = context_parallel_attention(q, k, v, group=ps.cp_group.group, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
+                                             comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, H/TP * d]

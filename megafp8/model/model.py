@@ -29,6 +29,7 @@ from megafp8.model.mlp import MLP
 from megafp8.model.norm import RMSNorm
 from megafp8.model.recompute import recompute, recomputed_layer_groups
 from megafp8.model.rotary import RotaryEmbedding
+from megafp8.parallel.context_parallel import local_positions
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.random import ModelParallelRNG, initialize_parameters
@@ -131,6 +132,16 @@ class GPTModel(nn.Module):
             x = recompute(run, x, *rotary, rng=self.rng) if recomputed else run(x, *rotary)
         return x
 
+    def _rotary_tables(self, local_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for this rank's tokens: positions 0.. of the sequence, or under context parallelism the
+        global positions of its two load-balanced chunks (RoPE must see where a token sits in the sequence)."""
+        ps = self.parallel_state
+        seq_len = local_rows * (self.tp.size if ps.sequence_parallel else 1)
+        if ps.cp_size == 1:
+            return self.rotary(seq_len)
+        full = seq_len * ps.cp_size
+        return self.rotary(full, local_positions(full, ps.cp_rank, ps.cp_size, device=self.rotary.cos.device))
+
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` / ``labels``: ``[b, s]``; ``hidden_states``: the previous stage's output when not
@@ -142,8 +153,7 @@ class GPTModel(nn.Module):
             raise ValueError("GPTModel without pre_process needs hidden_states from the previous stage")
         else:
             x = hidden_states
-        seq_len = x.shape[0] * (self.tp.size if self.parallel_state.sequence_parallel else 1)
-        x = self._run_layers(x, self.rotary(seq_len))
+        x = self._run_layers(x, self._rotary_tables(x.shape[0]))
         if not self.post_process:
             return x
 

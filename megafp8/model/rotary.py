@@ -88,14 +88,19 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)  # (positions, head_dim)
         return angles.cos(), angles.sin()
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin shaped ``(seq_len, 1, 1, head_dim)`` to broadcast over ``[s, b, heads, d]``."""
+    def forward(self, seq_len: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin shaped ``(seq_len, 1, 1, head_dim)`` to broadcast over ``[s, b, heads, d]``; with
+        ``positions`` (the global positions of a context-parallel rank's tokens, all below ``seq_len``) the
+        rows at those positions, ``(len(positions), 1, 1, head_dim)``."""
         if seq_len > self.max_positions:
             raise ValueError(f"sequence of {seq_len} tokens exceeds --max-position-embeddings ({self.max_positions})")
         if seq_len > self.cos.shape[0]:
             # Plain tensors even under inference_mode (an evaluation): a later training step saves them for backward.
             with torch.inference_mode(False):
                 self.cos, self.sin = self._tables(seq_len)
+        if positions is not None:
+            positions = positions.to(self.cos.device)
+            return self.cos[positions, None, None, :], self.sin[positions, None, None, :]
         return self.cos[:seq_len, None, None, :], self.sin[:seq_len, None, None, :]
 
     def _apply(self, fn, recurse=True):

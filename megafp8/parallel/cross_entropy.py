@@ -98,3 +98,18 @@ def vocab_parallel_cross_entropy(logits_parallel: torch.Tensor, target: torch.Te
     (mask ignored positions with a loss mask afterwards, as the training loop does).
     """
     return _VocabParallelCrossEntropy.apply(logits_parallel, target, tp, vocab_size)
+
+
+def loss_normalizer(loss_mask: torch.Tensor, cp: GroupHandle | None = None) -> torch.Tensor:
+    """What a rank divides its summed token losses by so that the DP x CP gradient average is the token mean.
+
+    Without context parallelism: the rank's unmasked tokens (at least 1). With it each rank holds 2 of the
+    sequence's 2 x CP chunks, so the tokens of the whole sequences (all-reduced over the CP group) divided
+    by CP: each rank's loss is CP x its share of the sequence mean, their mean over CP the sequence mean,
+    and the DP x CP grad average (``dp_group``) exactly CP=1's DP average. Logging-sized: not byte-counted."""
+    tokens = loss_mask.sum()
+    if cp is None or cp.size == 1:
+        return tokens.clamp(min=1.0)
+    tokens = tokens.detach().float().reshape(1).clone()
+    dist.all_reduce(tokens, group=cp.group)
+    return (tokens.clamp(min=1.0) / cp.size).reshape(())

@@ -1,8 +1,9 @@
-"""The parallel layout (TP x DP x PP) as one object: validated once, then asked for process groups.
+"""The parallel layout (TP x CP x DP x PP) as one object: validated once, then asked for process groups.
 
-Ranks are laid out as in Megatron-LM: tensor parallel innermost, then data parallel, then pipeline,
-so ``rank = tp_rank + TP * (dp_rank + DP * pp_rank)``. TP peers are therefore neighbours (same node,
-fastest links). The rank arithmetic is pure (``rank_coordinates``, ``group_ranks``) and unit-testable
+Ranks are laid out as in Megatron-LM (order tp-cp-dp-pp): tensor parallel innermost, then context
+parallel, then data parallel, then pipeline, so ``rank = tp + TP * (cp + CP * (dp + DP * pp))``. TP peers
+are therefore neighbours (same node, fastest links), CP peers the next closest (their K/V ring is the
+next busiest link). The rank arithmetic is pure (``rank_coordinates``, ``group_ranks``) and unit-testable
 without processes; ``ParallelState.init_process_groups`` turns it into real groups. Nothing here is a
 module-level global: the state object is created once and passed to whatever needs a group.
 """
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from megafp8.parallel.collectives import CommCounters, GroupHandle
 from megafp8.parallel.pipeline_layout import PipelineLayout, default_schedule, pipeline_layout_errors
 
-GROUP_KINDS = ("tp", "dp", "pp", "amax", "embedding")
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "amax", "embedding")
 
 
 class LayoutError(ValueError):
@@ -31,44 +32,51 @@ class RankCoordinates:
     tp: int
     dp: int
     pp: int
+    cp: int = 0
 
 
-def rank_coordinates(rank: int, tp: int, dp: int, pp: int) -> RankCoordinates:
-    """Position of global ``rank`` in the (TP, DP, PP) grid, TP innermost."""
-    if not 0 <= rank < tp * dp * pp:
-        raise ValueError(f"rank {rank} is outside a world of {tp * dp * pp} (TP {tp} x DP {dp} x PP {pp})")
-    return RankCoordinates(tp=rank % tp, dp=(rank // tp) % dp, pp=rank // (tp * dp))
+def rank_coordinates(rank: int, tp: int, dp: int, pp: int, cp: int = 1) -> RankCoordinates:
+    """Position of global ``rank`` in the (TP, CP, DP, PP) grid, TP innermost."""
+    if not 0 <= rank < tp * cp * dp * pp:
+        raise ValueError(f"rank {rank} is outside a world of {tp * cp * dp * pp} "
+                         f"(TP {tp} x CP {cp} x DP {dp} x PP {pp})")
+    return RankCoordinates(tp=rank % tp, cp=(rank // tp) % cp, dp=(rank // (tp * cp)) % dp, pp=rank // (tp * cp * dp))
 
 
-def global_rank(coords: RankCoordinates, tp: int, dp: int) -> int:
-    return coords.tp + tp * (coords.dp + dp * coords.pp)
+def global_rank(coords: RankCoordinates, tp: int, dp: int, cp: int = 1) -> int:
+    return coords.tp + tp * (coords.cp + cp * (coords.dp + dp * coords.pp))
 
 
-def group_ranks(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
+def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every kind, as lists of global ranks, in a fixed order all ranks agree on.
 
-    - tp: same (dp, pp), consecutive ranks.
-    - dp: same (tp, pp), stride TP.
-    - pp: same (tp, dp), stride TP*DP, first stage first.
-    - amax: the TP x DP ranks of one pipeline stage; FP8 amaxes are reduced over it once per step so
-      every shard of a tensor and every replica use the same scale.
+    - tp: same (cp, dp, pp), consecutive ranks.
+    - cp: same (tp, dp, pp), stride TP: the ranks that split one sequence (the K/V ring).
+    - dp: same (tp, pp), the DP x CP ranks (Megatron's data-parallel group "with context parallel"), in
+      global-rank order: CP ranks hold the same parameters and their gradients are partial sums over the
+      sequence, so gradients are reduced and ZeRO shards spread over all of them.
+    - pp: same (tp, cp, dp), stride TP*CP*DP, first stage first.
+    - amax: the TP x CP x DP ranks of one pipeline stage; FP8 amaxes are reduced over it once per step so
+      every shard of a tensor, every sequence chunk and every replica use the same scale.
     - embedding: the first and last stage of each pipeline (just the one rank when PP=1); tied
       input/output embeddings all-reduce their grads over it.
     """
-    def rank(t: int, d: int, p: int) -> int:
-        return global_rank(RankCoordinates(t, d, p), tp, dp)
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return global_rank(RankCoordinates(tp=t, dp=d, pp=p, cp=c), tp, dp, cp)
 
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
     groups: dict[str, list[list[int]]] = {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "amax": [[rank(t, d, p) for d in range(dp) for t in range(tp)] for p in range(pp)],
+        "tp": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
+        "cp": [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T],
+        "dp": [[rank(t, c, d, p) for d in D for c in C] for p in P for t in T],
+        "pp": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
+        "amax": [[rank(t, c, d, p) for d in D for c in C for t in T] for p in P],
     }
     groups["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in groups["pp"]]
     return groups
 
 
-def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None = None,
+def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers: int | None = None,
                   sequence_parallel: bool = False, num_layers: int | None = None,
                   hidden_size: int | None = None, ffn_hidden_size: int | None = None,
                   num_attention_heads: int | None = None, num_query_groups: int | None = None,
@@ -79,16 +87,17 @@ def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None =
     The pipeline rules (stage split, schedule, micro-batch count) are ``pipeline_layout_errors``."""
     errors: list[str] = []
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("world size", world_size), ("--micro-batch-size", micro_batch_size),
+                        ("--context-parallel-size", cp), ("world size", world_size), ("--micro-batch-size", micro_batch_size),
                         ("--num-layers-per-virtual-pipeline-stage", vpp_layers)):
         if value is not None and value < 1:
             errors.append(f"{flag} must be >= 1, got {value}")
     if errors:
         return errors
-    if world_size % (tp * pp):
-        errors.append(f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp} "
-                      f"does not divide the world size ({world_size})")
-    dp = max(world_size // (tp * pp), 1)
+    if world_size % (tp * cp * pp):
+        errors.append(f"--tensor-model-parallel-size ({tp}) x " + (f"--context-parallel-size ({cp}) x " if cp > 1 else "")
+                      + f"--pipeline-model-parallel-size ({pp}) = {tp * cp * pp} does not divide the world size "
+                      f"({world_size})")
+    dp = max(world_size // (tp * cp * pp), 1)
 
     def not_divisible(flag: str, value: int | None, by_flag: str, by: int) -> None:
         if value is not None and value % by:
@@ -105,13 +114,19 @@ def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None =
             errors.append(f"--hidden-size / --num-attention-heads = {hidden_size // num_attention_heads} "
                           "(the head dim) must be even for rotary embeddings")
     not_divisible("--ffn-hidden-size", ffn_hidden_size, "--tensor-model-parallel-size", tp)
-    if sequence_parallel and tp > 1:
+    sp_split = tp if sequence_parallel and tp > 1 else 1
+    if cp > 1:  # 2 x CP load-balanced chunks, each split again over TP under sequence parallelism
+        by = "2 x --context-parallel-size" + (" x --tensor-model-parallel-size (with --sequence-parallel)"
+                                              if sp_split > 1 else "")
+        not_divisible("--seq-length", seq_length, by, 2 * cp * sp_split)
+    elif sp_split > 1:
         not_divisible("--seq-length", seq_length, "--tensor-model-parallel-size (with --sequence-parallel)", tp)
     num_microbatches = None
     if global_batch_size is not None and micro_batch_size is not None:
         if global_batch_size % (micro_batch_size * dp):
             errors.append(f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
-                          f"({micro_batch_size}) x data-parallel size ({dp})")
+                          f"({micro_batch_size}) x data-parallel size ({dp}"
+                          + (f" = world / (TP x CP {cp} x PP)" if cp > 1 else "") + ")")
         else:
             num_microbatches = global_batch_size // (micro_batch_size * dp)
     errors += pipeline_layout_errors(num_layers=num_layers, pp=pp, schedule=pipeline_schedule, vpp_layers=vpp_layers,
@@ -122,9 +137,11 @@ def layout_errors(*, world_size: int, tp: int, pp: int, vpp_layers: int | None =
 
 @dataclass
 class ParallelState:
-    """The TP x DP x PP layout of this run and, after ``init_process_groups``, this rank's groups.
+    """The TP x CP x DP x PP layout of this run and, after ``init_process_groups``, this rank's groups.
 
-    The data-parallel size is derived: ``world_size / (TP * PP)``. Validation of the factors runs in
+    The data-parallel size is derived: ``world_size / (TP * CP * PP)``; it counts the ranks that read different
+    samples (``dp_size``, ``data_parallel_rank``). ``dp_group`` is the DP x CP group of the gradients and the
+    ZeRO shards (CP ranks hold the same parameters). Validation of the factors runs in
     ``__post_init__``; ``validate_model`` adds the checks that need the model and batch sizes and is
     called by the model constructor, so a bad layout always fails before any compute.
     """
@@ -137,6 +154,8 @@ class ParallelState:
     pipeline_schedule: str | None = None  # None: interleaved with virtual stages, else 1f1b (Megatron's default)
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # --cp-comm-type: how the attention's CP ranks exchange K/V
     data_parallel_size: int = field(init=False)
     # Filled by init_process_groups(): this process's rank, coordinates and group handles.
     rank: int = field(init=False, default=0)
@@ -146,7 +165,7 @@ class ParallelState:
 
     def __post_init__(self) -> None:
         self._raise_if(layout_errors(**self._layout_kwargs()))
-        self.data_parallel_size = self.world_size // (self.tp_size * self.pp_size)
+        self.data_parallel_size = self.world_size // (self.tp_size * self.cp_size * self.pp_size)
         self.pipeline_schedule = self.pipeline_schedule or default_schedule(self.num_layers_per_virtual_pipeline_stage)
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -159,8 +178,26 @@ class ParallelState:
         return self.pipeline_model_parallel_size
 
     @property
+    def cp_size(self) -> int:
+        return self.context_parallel_size
+
+    @property
     def dp_size(self) -> int:
+        """Ranks reading different samples (pure DP, without CP); ``dp_group.size`` is DP x CP."""
         return self.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which samples this rank reads (every CP rank of a DP rank reads the same ones)."""
+        return self.coords.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp_size > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -176,8 +213,10 @@ class ParallelState:
 
     def describe(self) -> str:
         vpp = self.num_layers_per_virtual_pipeline_stage
-        return (f"world size {self.world_size} = --tensor-model-parallel-size {self.tp_size} x data parallel "
-                f"{max(self.world_size // (self.tp_size * self.pp_size), 1)} x --pipeline-model-parallel-size "
+        cp = self.context_parallel_size
+        return (f"world size {self.world_size} = --tensor-model-parallel-size {self.tp_size} x "
+                + (f"--context-parallel-size {cp} x " if cp > 1 else "") + "data parallel "
+                f"{max(self.world_size // (self.tp_size * max(cp, 1) * self.pp_size), 1)} x --pipeline-model-parallel-size "
                 f"{self.pp_size}" + (f", --num-layers-per-virtual-pipeline-stage {vpp}" if vpp else "")
                 + (", --sequence-parallel" if self.sequence_parallel else "")
                 + (f", --pipeline-schedule {self.pipeline_schedule}" if self.pp_size > 1 else "")
@@ -188,7 +227,7 @@ class ParallelState:
     # -- validation ------------------------------------------------------------------------------
     def _layout_kwargs(self) -> dict[str, Any]:
         return dict(world_size=self.world_size, tp=self.tensor_model_parallel_size,
-                    pp=self.pipeline_model_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
+                    pp=self.pipeline_model_parallel_size, cp=self.context_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
                     sequence_parallel=self.sequence_parallel, pipeline_schedule=self.pipeline_schedule,
                     first_stage_layers=self.decoder_first_pipeline_num_layers,
                     last_stage_layers=self.decoder_last_pipeline_num_layers)
@@ -233,8 +272,8 @@ class ParallelState:
                                   f"{self.world_size}: {self.describe()}")
             rank = dist.get_rank() if rank is None else rank
         self.rank = 0 if rank is None else rank
-        self.coords = rank_coordinates(self.rank, self.tp_size, self.dp_size, self.pp_size)
-        for kind, all_groups in group_ranks(self.tp_size, self.dp_size, self.pp_size).items():
+        self.coords = rank_coordinates(self.rank, self.tp_size, self.dp_size, self.pp_size, self.cp_size)
+        for kind, all_groups in group_ranks(self.tp_size, self.dp_size, self.pp_size, self.cp_size).items():
             self._handles[kind] = None
             for ranks in all_groups:
                 # Every rank creates every group (a torch.distributed rule); single-member groups need none.
@@ -257,7 +296,13 @@ class ParallelState:
         return self._handle("tp")
 
     @property
+    def cp_group(self) -> GroupHandle:
+        """The ranks splitting this rank's sequences (a single-member handle when CP = 1)."""
+        return self._handle("cp")
+
+    @property
     def dp_group(self) -> GroupHandle:
+        """DP x CP: gradients are reduced and ZeRO shards spread over it (``dp_size`` is DP alone)."""
         return self._handle("dp")
 
     @property

@@ -49,7 +49,7 @@ from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, Fp8ScalingManager
 from megafp8.fp8.deferred_wgrad import WgradDeferral
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.parallel import collectives as C
-from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megafp8.parallel.cross_entropy import loss_normalizer, vocab_parallel_cross_entropy
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline_layout import ZERO_BUBBLE_SCHEDULES
@@ -224,6 +224,9 @@ class Pipeline:
         seq = self._local_seq_length()
         return (seq // ps.tp_size if ps.sequence_parallel else seq), self.micro_batch_size, self.config.hidden_size
 
+    def _cp_group(self):
+        return self.parallel_state.cp_group if getattr(self.parallel_state, "cp_size", 1) > 1 else None
+
     def _local_seq_length(self) -> int:
         """Tokens of a sequence on this rank: context parallelism splits each sequence over its CP ranks."""
         return self.config.seq_length // getattr(self.parallel_state, "cp_size", 1)
@@ -277,7 +280,7 @@ class Pipeline:
             raise ValueError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} / labels {tuple(labels.shape)} must be "
                              f"[--micro-batch-size x micro-batches, --seq-length / CP] = {list(expected)}")
         mask = torch.ones(expected, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
-        self._step_tokens = mask.sum().clamp(min=1.0)
+        self._step_tokens = loss_normalizer(mask, self._cp_group())  # the CP ranks' tokens too
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         loss = self._run_plain(input_ids, labels, mask) if self.schedule is None else \
             self._run_schedule(input_ids, labels, mask)
@@ -300,7 +303,7 @@ class Pipeline:
         """
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         mask = torch.ones(labels.shape, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
-        self._step_tokens = mask.sum().clamp(min=1.0)
+        self._step_tokens = loss_normalizer(mask, self._cp_group())  # the CP ranks' tokens too
         for chunk in self.chunks:
             chunk.eval()
         try:

@@ -295,7 +295,9 @@ def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
         args.max_position_embeddings = args.seq_length
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    # CP ranks read the same samples: data parallelism is what TP x CP x PP leaves of the world.
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * max(args.context_parallel_size, 1))
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel if model_parallel > 0 and world_size % model_parallel == 0 else 0
     if args.global_batch_size is None:
@@ -328,7 +330,8 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     # intervals and the like do not enter them, so a bad --train-iters still gets the layout checked.
     layout_sizes = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                     "global_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "num_query_groups", "ffn_hidden_size", "num_layers_per_virtual_pipeline_stage")
+                    "num_query_groups", "ffn_hidden_size", "num_layers_per_virtual_pipeline_stage",
+                    "context_parallel_size")
     sizes_ok = all(getattr(args, name) is None or getattr(args, name) > 0 for name in layout_sizes)
     for name in ("save_interval", "keep_last", "exit_interval", "eval_iters", "lr_warmup_iters",
                  "ddp_bucket_size", "recompute_num_layers", "lr_warmup_samples", "lr_decay_iters", "lr_decay_samples",
@@ -343,7 +346,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
 
         errors += layout_errors(
             world_size=world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-            vpp_layers=args.num_layers_per_virtual_pipeline_stage, sequence_parallel=args.sequence_parallel,
+            cp=args.context_parallel_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage, sequence_parallel=args.sequence_parallel,
             num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
             num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
             seq_length=args.seq_length, global_batch_size=args.global_batch_size,
@@ -375,8 +378,6 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         flag = ("--first-last-layers-bf16" if args.first_last_layers_bf16 else
                 "--log-fp8-telemetry" if args.log_fp8_telemetry else "--no-fp8-saturation-guard")
         errors.append(f"{flag} needs --fp8-format")
-    if args.context_parallel_size > 1:  # the flag is parsed ahead of its implementation (issue 22)
-        errors.append("--context-parallel-size > 1 is not implemented yet")
     if args.fp8_grad_reduce and args.fp8_format is None:
         errors.append("--fp8-grad-reduce needs --fp8-format")
     if args.fp8_grad_reduce and not args.use_distributed_optimizer:

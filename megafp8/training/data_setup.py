@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -65,11 +66,12 @@ def build_datasets(args: argparse.Namespace):
 def batches(dataset, consumed_samples: int, args: argparse.Namespace, parallel_state: ParallelState,
             cycle: bool = False) -> Iterator[torch.Tensor]:
     """This DP rank's micro-batches of tokens ``[micro_batch, seq_length + 1]`` from ``consumed_samples`` on.
+    Every CP rank of a DP rank reads the same samples (the data order is CP=1's); each keeps its chunks later.
 
     ``cycle``: start over when the dataset ends (validation re-reads its split, as Megatron's cyclic loader);
     ``consumed_samples`` then counts every sample read since the start (``consumed_valid_samples``, which
     may exceed the dataset), and the iterator stands where an uninterrupted one would after reading them."""
-    dp = parallel_state.dp_group
+    dp = _DataRank(parallel_state.data_parallel_rank, parallel_state.dp_size)
     if cycle:
         step = args.micro_batch_size * dp.size
         per_pass = len(dataset) // step * step  # each pass reads the whole global micro-batches, from sample 0
@@ -79,6 +81,12 @@ def batches(dataset, consumed_samples: int, args: argparse.Namespace, parallel_s
                              "give it more documents (--split) or set --eval-iters 0")
         consumed_samples %= per_pass
     return _batches(dataset, consumed_samples, args.micro_batch_size, dp, cycle)
+
+
+class _DataRank(NamedTuple):
+    """Which share of each global batch a rank reads: pure data parallelism, CP ranks excluded."""
+    rank: int
+    size: int
 
 
 def _batches(dataset, consumed_samples: int, micro_batch_size: int, dp, cycle: bool) -> Iterator[torch.Tensor]:

@@ -35,4 +35,5 @@ def parallel_state_from_args(args: argparse.Namespace) -> ParallelState:
                          num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
                          sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule,
                          decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-                         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
+                         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+                         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type)

@@ -45,15 +45,16 @@ def parameter_counts(pipeline, parallel_state: ParallelState) -> tuple[int, list
     params = list(pipeline.parameters())
     held = sum(p.numel() for p in params)
     own = sum(p.numel() for p in params if not getattr(p, "shared_embedding", False))
-    entry = (parallel_state.coords.pp, parallel_state.coords.dp, held, own)
+    coords = parallel_state.coords
+    entry = (coords.pp, coords.dp == 0 and coords.cp == 0, held, own)  # DP and CP replicas hold the same parameters
     gathered = [entry]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entry)
     per_stage = [0] * parallel_state.pp_size
     total = 0
-    for stage, dp_rank, stage_held, stage_own in gathered:
-        if dp_rank == 0:  # DP replicas hold the same parameters
+    for stage, first_replica, stage_held, stage_own in gathered:
+        if first_replica:
             per_stage[stage] += stage_held
             total += stage_own
     return total, per_stage
@@ -63,7 +64,7 @@ def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, tota
                    per_stage: list[int]) -> list[str]:
     """What this run is, in a few lines (as Megatron and torchtitan print it): layout, size, tokens, FP8, outputs."""
     ps = parallel_state
-    layout = (f"TP {ps.tp_size} x CP 1 x PP {ps.pp_size} x DP {ps.dp_size} = {ps.world_size} process{'es' if ps.world_size > 1 else ''}"
+    layout = (f"TP {ps.tp_size} x CP {ps.cp_size} x PP {ps.pp_size} x DP {ps.dp_size} = {ps.world_size} process{'es' if ps.world_size > 1 else ''}"
               + (", sequence parallel" if args.sequence_parallel else "")
               + (f", schedule {ps.pipeline_schedule}" if ps.pp_size > 1 else "")
               + (f", {args.num_layers_per_virtual_pipeline_stage} layers per virtual stage"

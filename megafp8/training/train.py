@@ -25,6 +25,7 @@ from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enabl
 from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
 from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
+from megafp8.parallel.context_parallel import split_for_context_parallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
 from megafp8.training.flops import flops_per_iteration
@@ -105,7 +106,7 @@ def _on_any_rank(value: bool) -> bool:
 
 def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3,
                      read_interval: int = 1) -> SaturationGuard:
-    """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x DP ranks; its
+    """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x CP x DP ranks; its
     strikes are read on the host every `read_interval` iterations (--log-interval) and at saves."""
     def all_reduce_max(tensor: torch.Tensor) -> None:
         C.all_reduce(tensor, parallel_state.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
@@ -124,11 +125,12 @@ class Trainer:
         self.recipe = Fp8Recipe.from_args(args)
         self.schedule = learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
-        # The last pipeline stage computes the loss; its first TP/DP rank speaks for the run.
-        self.is_logging_rank = parallel_state.rank == parallel_state.world_size - parallel_state.tp_size * parallel_state.dp_size
+        # The last pipeline stage computes the loss; its first TP/CP/DP rank speaks for the run.
+        ps = parallel_state
+        self.is_logging_rank = ps.rank == ps.world_size - ps.tp_size * ps.cp_size * ps.dp_size
         self.log = TrainingLog(args.log_dir, args.tensorboard_dir) if self.is_logging_rank else TrainingLog()
-        # Each pipeline stage's first TP/DP rank speaks for the saturation guard's switches of its layers.
-        self.is_stage_lead = parallel_state.coords.tp == 0 and parallel_state.coords.dp == 0
+        # Each pipeline stage's first TP/CP/DP rank speaks for the saturation guard's switches of its layers.
+        self.is_stage_lead = ps.coords.tp == 0 and ps.coords.cp == 0 and ps.coords.dp == 0
         self.forced_overflow, self.forced_overflow_layer = self._forced_overflow()
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
@@ -143,15 +145,20 @@ class Trainer:
 
     # ---- one iteration ----------------------------------------------------------------------
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
-        """This DP rank's share of a global batch: (inputs, labels), each [micro x micro-batches, seq]."""
+        """This DP rank's share of a global batch: (inputs, labels), each [micro x micro-batches, seq / CP]:
+        under context parallelism every CP rank read the same samples and keeps its two chunks of each."""
         tokens = torch.cat([next(source) for _ in range(self.args.num_micro_batches)])
         device = getattr(self.pipeline, "device", None)
         if device is not None and device.type == "cuda":  # through pinned memory: the copy does not block the host
             tokens = tokens.pin_memory().to(device, non_blocking=True)
-        return tokens[:, :-1], tokens[:, 1:]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if self.ps.cp_size > 1:
+            inputs, labels = (split_for_context_parallel(t, 1, self.ps.cp_rank, self.ps.cp_size) for t in (inputs, labels))
+        return inputs, labels
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss averaged over micro-batches and DP, optimizer updated?, grad norm), as device tensors."""
+        """(loss averaged over micro-batches and DP, optimizer updated?, grad norm), as device tensors. Under CP
+        each rank's loss is CP x its chunks' share of the sequence mean, so the DP x CP mean is CP=1's loss."""
         self.ddp.zero_grad_buffer()
         inputs, labels = self._global_batch(self.train_batches)
         injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
