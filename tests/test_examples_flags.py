@@ -46,7 +46,8 @@ def _validated(flags: list[str], world_size: int, vocab_size: int):
     return args
 
 
-@pytest.mark.parametrize("script", ["pretrain_llama3_8b_fp8.sh", "pretrain_single_gpu.sh", "quickstart.sh", "fp8_parity.sh"])
+@pytest.mark.parametrize("script", ["pretrain_llama3_8b_fp8.sh", "pretrain_llama3_8b_32k_cp.sh", "pretrain_single_gpu.sh",
+                                    "quickstart.sh", "fp8_parity.sh"])
 def test_example_is_valid_bash(script):
     assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, script)]).returncode == 0
 
@@ -71,6 +72,21 @@ def test_llama3_8b_template_flags_are_accepted(tmp_path, nnodes):
     assert args.use_distributed_optimizer and args.fp8_param_gather
     assert args.overlap_grad_reduce and args.overlap_param_gather
     assert args.save == args.load == str(tmp_path / "run" / "checkpoints") and args.log_dir and args.tensorboard_dir
+
+
+@pytest.mark.parametrize("nnodes", [2, 4])
+def test_long_context_template_flags_are_accepted(tmp_path, nnodes):
+    """32k tokens per sequence at TP4 x CP2 x PP2 (16 GPUs per replica): DP = NNODES / 2, CP's chunks fit."""
+    flags, world_size = _entry_flags(_launch("pretrain_llama3_8b_32k_cp.sh", tmp_path, NNODES=str(nnodes)))
+    assert world_size == 8 * nnodes
+    args = _validated(flags, world_size, LLAMA3_VOCAB)
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.seq_length) == (32, 4096, 8, 32768)
+    assert args.use_rope_scaling and args.rope_scaling_factor == 8
+    assert (args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size,
+            args.data_parallel_size) == (4, 2, 2, nnodes // 2)
+    assert args.cp_comm_type == "p2p" and args.sequence_parallel and args.recompute_granularity == "selective"
+    assert args.fp8_format == "hybrid" and args.use_distributed_optimizer and args.fp8_param_gather
+    assert args.global_batch_size * args.seq_length == 128 * 32768  # 4M tokens per iteration
 
 
 def test_single_gpu_script_flags_are_accepted(tmp_path):
