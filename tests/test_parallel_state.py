@@ -103,3 +103,46 @@ def _groups_body(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_process_groups_connect_the_right_ranks():
     run_distributed(_groups_body, world_size=4)
+
+
+def test_context_parallel_sits_between_tp_and_dp():
+    """World 16 = TP2 x CP2 x DP2 x PP2, Megatron's order tp-cp-dp-pp; dp_group is DP x CP (grads, ZeRO)."""
+    for rank in range(16):
+        c = rank_coordinates(rank, tp=2, dp=2, pp=2, cp=2)
+        assert (c.tp, c.cp, c.dp, c.pp) == (rank % 2, rank // 2 % 2, rank // 4 % 2, rank // 8), rank
+    groups = group_ranks(tp=2, dp=2, pp=2, cp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert groups["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert groups["pp"] == [[r, r + 8] for r in range(8)]
+    assert groups["amax"] == [list(range(8)), list(range(8, 16))]
+    ps = ParallelState(world_size=16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                       context_parallel_size=2)
+    assert (ps.dp_size, ps.cp_size) == (2, 2) and "--context-parallel-size 2" in ps.describe()
+
+
+@pytest.mark.parametrize("layout, model, message", [
+    (dict(world_size=6, tp=2, cp=2, pp=1), {}, "--context-parallel-size (2) x --pipeline-model-parallel-size (1) = 4 "
+                                               "does not divide the world size (6)"),
+    (dict(world_size=4, tp=1, cp=4, pp=1), dict(seq_length=12), "--seq-length (12) must be divisible by "
+                                                                "2 x --context-parallel-size (8)"),
+    (dict(world_size=8, tp=2, cp=2, pp=2, sequence_parallel=True), dict(seq_length=12),
+     "--seq-length (12) must be divisible by 2 x --context-parallel-size x --tensor-model-parallel-size "
+     "(with --sequence-parallel) (8)"),
+    (dict(world_size=8, tp=2, cp=2, pp=1), dict(global_batch_size=3, micro_batch_size=1),
+     "data-parallel size (2 = world / (TP x CP 2 x PP))"),
+    (dict(world_size=2, tp=1, cp=0, pp=1), {}, "--context-parallel-size must be >= 1, got 0"),
+])
+def test_context_parallel_layout_errors_name_the_flag(layout, model, message):
+    errors = layout_errors(**layout, **model)
+    assert any(message in e for e in errors), errors
+
+
+def test_context_parallel_layout_error_before_any_process_group():
+    from megafp8.training.arguments import ArgumentError, parse_args
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "36",
+             "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--data-path", "x",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--context-parallel-size", "4"]
+    with pytest.raises(ArgumentError, match=r"--seq-length \(36\) must be divisible by 2 x --context-parallel-size \(8\)"):
+        parse_args(flags, 4)
+    assert parse_args([*flags[:7], "32", *flags[8:]], 8).data_parallel_size == 2
