@@ -6,7 +6,9 @@
 #         fp8_delayed_smooth_swiglu (the Smooth-SwiGLU ablation of fp8_delayed),
 #         fp8_overflow_guarded / fp8_overflow_unguarded (the saturation guard in practice: fp8_delayed with
 #         layers.0.mlp.linear_fc2's input forced to overflow from 1/5 of the run on by the test hook
-#         MEGAFP8_FORCE_FP8_OVERFLOW (megafp8/fp8/forced_overflow.py), with the guard and without it)
+#         MEGAFP8_FORCE_FP8_OVERFLOW (megafp8/fp8/forced_overflow.py), with the guard and without it),
+#         fp8_zero_dp2 / fp8_grad_reduce (DP=2 under torchrun, half the micro-batch, the same global batch: FP8
+#         delayed + ZeRO, without and with --fp8-grad-reduce; the report compares the pair, 0.5% band)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
@@ -29,6 +31,7 @@ else
   model="${PARITY_MODEL:---num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 64 --micro-batch-size 8 --global-batch-size 8}"
 fi
 seq_length=$(sed -n 's/.*--seq-length \([0-9]*\).*/\1/p' <<< "$model")
+micro_batch=$(sed -n 's/.*--micro-batch-size \([0-9]*\).*/\1/p' <<< "$model")
 
 if [[ ! -f "$work/stdlib_text_document.idx" ]]; then
   echo "== data: Python stdlib corpus, SentencePiece ($vocab pieces), Megatron .bin/.idx in $work =="
@@ -57,10 +60,14 @@ declare -A run_flags=(
   [fp8_delayed_smooth_swiglu]="$fp8 delayed --activation smooth_swiglu"
   [fp8_overflow_guarded]="$fp8 delayed"
   [fp8_overflow_unguarded]="$fp8 delayed --no-fp8-saturation-guard"
+  [fp8_zero_dp2]="$fp8 delayed --use-distributed-optimizer --micro-batch-size $((micro_batch / 2))"
+  [fp8_grad_reduce]="$fp8 delayed --use-distributed-optimizer --micro-batch-size $((micro_batch / 2)) --fp8-grad-reduce"
 )
+dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
+declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"
@@ -73,7 +80,7 @@ for name in $runs; do
   telemetry=()
   if [[ -n "${run_flags[$name]}" ]]; then telemetry=(--log-fp8-telemetry); fi  # FP8 runs only
   # shellcheck disable=SC2086  # the run's flags are meant to split into words
-  env ${run_env[$name]:-} python -m megafp8.pretrain "${common[@]}" ${run_flags[$name]} \
+  env ${run_env[$name]:-} python ${run_launch[$name]:-} -m megafp8.pretrain "${common[@]}" ${run_flags[$name]} \
       --log-dir "$dir" --tensorboard-dir "$dir/tb" "${telemetry[@]}" > "$dir.log" 2>&1 \
     || { echo "$name failed; its output: $dir.log" >&2; tail -5 "$dir.log" >&2; exit 1; }
   echo "   done in $((SECONDS - start)) s: $(grep 'validation loss' "$dir.log" | tail -1)"
@@ -81,4 +88,8 @@ for name in $runs; do
   dirs+=("$dir")
 done
 
-python tools/fp8_report.py "${dirs[@]}" --output "$work/report" --seq-length "$seq_length"
+pairs=()
+if [[ " $runs " == *" fp8_grad_reduce "* && " $runs " == *" fp8_zero_dp2 "* ]]; then
+  pairs=(--pair fp8_grad_reduce=fp8_zero_dp2)
+fi
+python tools/fp8_report.py "${dirs[@]}" --output "$work/report" --seq-length "$seq_length" "${pairs[@]}"

@@ -1,6 +1,10 @@
 """FP8 numerics report: loss parity against a baseline run, grad norm and per-layer FP8 telemetry heatmaps.
 
     python tools/fp8_report.py RUN_DIR... --output REPORT_DIR [--baseline NAME] [--seq-length N] [--band 0.01]
+                               [--pair RUN=REFERENCE]... [--pair-band 0.005]
+
+``--pair RUN=REFERENCE`` also compares RUN with a run that differs from it in one flag (e.g.
+``fp8_grad_reduce=fp8_zero_dp2``: the same DP=2 run with and without --fp8-grad-reduce) within --pair-band.
 
 Each RUN_DIR holds a `metrics.jsonl` (directly or in `logs/`) written by `megafp8.pretrain --log-dir`, and
 optionally TensorBoard events (anywhere below it) written with `--tensorboard-dir --log-fp8-telemetry`.
@@ -275,8 +279,30 @@ def _guard_section(runs: list[Run]) -> list[str]:
             "| run | after iteration | layer | saturated |", "|---|---|---|---|", *rows, ""]
 
 
+def _pair_section(runs: list[Run], pairs: list[tuple[str, str]], use_validation: bool, band: float) -> list[str]:
+    """RUN vs its one-flag REFERENCE: final-loss gap and the largest per-iteration training-loss gap."""
+    if not pairs:
+        return []
+    by_name = {r.name: r for r in runs}
+    lines = ["## Paired runs", "", f"Each run against the run that differs from it in one flag. Band: {100 * band:g}%.", "",
+             "| run | reference | final loss gap | max train-loss gap over iterations | verdict |", "|---|---|---|---|---|"]
+    for name, ref_name in pairs:
+        for missing in (name, ref_name):
+            if missing not in by_name:
+                raise ReportError(f"--pair {name}={ref_name}: {missing} is not one of the runs {sorted(by_name)}")
+        run, ref = by_name[name], by_name[ref_name]
+        gap = run.final_loss(use_validation) / ref.final_loss(use_validation) - 1
+        ref_train = {r["iteration"]: r["lm_loss"] for r in ref.train if r.get("lm_loss") is not None}
+        per_iter = [abs(r["lm_loss"] / ref_train[r["iteration"]] - 1) for r in run.train
+                    if r.get("lm_loss") is not None and r["iteration"] in ref_train]
+        within = "within" if abs(gap) <= band else "OUTSIDE"
+        lines.append(f"| {name} | {ref_name} | {100 * gap:+.3f}% | {100 * max(per_iter, default=0.0):.3f}% | "
+                     f"{within} the {100 * band:g}% band |")
+    return lines + [""]
+
+
 def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_length: int | None = None,
-                 band: float = 0.01) -> Path:
+                 band: float = 0.01, pairs: list[tuple[str, str]] | None = None, pair_band: float = 0.005) -> Path:
     """Plots and report.md for `runs` against the baseline (the first run unless named); returns report.md."""
     import matplotlib
 
@@ -308,6 +334,7 @@ def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_l
                      f"{100 * gap:+.2f}% | {run.train[-1].get('skipped_iterations', 0)} | "
                      f"{verdict(run, baseline, gap, band)} |")
     lines += ["", "![loss](loss.png)", "", "![gap and grad norm](gap_and_grad_norm.png)", ""]
+    lines += _pair_section(runs, pairs or [], use_validation, pair_band)
     lines += _guard_section(runs)
     for run in runs:
         image = _plot_telemetry(run, output)
@@ -327,14 +354,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", help="run name (directory base name) to compare against; default: the first")
     parser.add_argument("--seq-length", type=int, help="tokens per sample: plot loss against tokens")
     parser.add_argument("--band", type=float, default=0.01, help="relative final-loss gap counted as parity")
+    parser.add_argument("--pair", action="append", default=[], metavar="RUN=REFERENCE",
+                        help="also compare RUN with REFERENCE (runs that differ in one flag); repeatable")
+    parser.add_argument("--pair-band", type=float, default=0.005, help="relative final-loss gap counted as parity "
+                        "for --pair")
     args = parser.parse_args(argv)
+    pairs = [tuple(p.split("=", 1)) for p in args.pair]
+    bad = [p for p, parsed in zip(args.pair, pairs) if len(parsed) != 2 or not all(parsed)]
+    if bad:
+        parser.error(f"--pair takes RUN=REFERENCE, got {bad[0]!r}")
     if importlib.util.find_spec("matplotlib") is None:  # checked first: not after reading every run
         print("fp8_report: error: the report's plots need the matplotlib package, which is not installed: "
               "pip install matplotlib (or pip install -e \".[report]\")", file=sys.stderr)
         return 2
     try:
         runs = [load_run(path) for path in args.runs]
-        report = write_report(runs, args.baseline, Path(args.output), args.seq_length, args.band)
+        report = write_report(runs, args.baseline, Path(args.output), args.seq_length, args.band, pairs,
+                              args.pair_band)
     except ReportError as e:
         print(f"fp8_report: error: {e}", file=sys.stderr)
         return 2
