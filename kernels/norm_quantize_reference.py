@@ -27,7 +27,10 @@ def rms_norm_backward_reference(grad: torch.Tensor, x: torch.Tensor, weight: tor
     """(dx, dweight) of rms_norm_forward_reference, with n = x * rstd (fp32) and dn = grad * weight:
     dx = rstd * (dn - n * mean(dn * n)), dweight = sum over tokens of grad * n (in fp32, then the weight's dtype)."""
     normed = x.float() * rstd
-    grad_normed = (grad * weight).float()  # the cast back to x's dtype passes the gradient straight through
+    # The cast back to x's dtype passes the gradient straight through. grad * weight in fp32, not in a low-precision
+    # input dtype as autograd of the forward would: that halves dx's error vs fp64 for bf16/fp16 (tests/
+    # test_rms_norm_backward_fp64.py); fp32 inputs give the same bits.
+    grad_normed = grad.float() * weight.float()
     grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
     grad_weight = (grad.float() * normed.to(x.dtype).float()).reshape(-1, weight.numel()).sum(0)
     return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
