@@ -2,7 +2,8 @@
 buffer with --overlap-grad-reduce, at PP=2: every ZB schedule's main_grad equals the same layout with the split
 off bit for bit (the same GEMMs on the same FP8 operands, each added once: a doubled or lost wgrad cannot pass),
 is >= 40 dB from the PP=1 FP8 run, and each bucket's overlapped reduction starts only once its main_grad is
-final (no W pass adds to it afterwards). Then through the training entry with its default flags: every ZB
+final (no W pass adds to it afterwards). TP=2 x PP=2 with sequence parallelism (x^T gathered over TP in W) against
+PP=1 (tests/pipeline_testing.py). Then through the training entry with its default flags: every ZB
 schedule trains like 1F1B (FP8 delayed losses within 1e-3)."""
 from __future__ import annotations
 
@@ -115,3 +116,16 @@ def test_training_entry_zero_bubble_fp8_trains_like_1f1b(tmp_path):
         assert len(losses) == 3, schedule
         for got, want in zip(losses, reference):
             assert abs(got - want) <= 1e-3 * abs(want), (schedule, losses, reference)
+
+
+def _sequence_parallel_body(rank: int, world_size: int) -> None:
+    from pipeline_testing import run_case
+
+    # TP=2 x PP=2, SP: the deferred wgrad of a column-parallel layer gathers its x^T shard over TP in W.
+    pipe = run_case(Case(pp=2, tp=2, sp=True, fp8=True, schedule="zbv"), world_size)
+    assert pipe.deferrals and all(d.peak_bytes > 0 for d in pipe.deferrals)
+
+
+@pytest.mark.distributed
+def test_zero_bubble_fp8_split_under_sequence_parallel_matches_pp1():
+    run_distributed(_sequence_parallel_body, world_size=4, timeout_s=600)
