@@ -44,8 +44,15 @@ def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, se
     ref.backward(dout)
     local = [split_for_context_parallel(t, 2, cp_rank, cp_size).to(dtype).requires_grad_() for t in (q, k, v)]
     counters = CommCounters()
-    out = context_parallel_attention(*local, group=group, cp_rank=cp_rank, cp_size=cp_size, comm_type=comm_type,
-                                     counters=counters, enable_gqa=heads != kv_heads)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(*local, group=group, cp_rank=cp_rank, cp_size=cp_size, comm_type=comm_type,
+                                         counters=counters, enable_gqa=heads != kv_heads)
     fwd_bytes = counters["cp_kv_p2p"]
     out.backward(split_for_context_parallel(dout, 2, cp_rank, cp_size).to(dtype))
     assert out.dtype == dtype and out.shape == local[0].shape
@@ -61,6 +68,9 @@ def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, se
                        q.to(dtype))
     kv_elems = 2 * b * kv_heads * (seq // cp_size) * d
     grad_size = torch.promote_types(dtype, torch.float32).itemsize
+    # Saved for backward: q, k, v, the output and the per-row lse, nothing of size s x s.
+    q_elems = b * heads * (seq // cp_size) * d
+    assert sum(saved.values()) == (2 * q_elems + kv_elems) * dtype.itemsize + q_elems // d * grad_size, what
     assert (fwd_bytes, counters["cp_kv_p2p"] - fwd_bytes) == _expected_bytes(
         comm_type, cp_size, kv_elems, dtype.itemsize, grad_size), what
 
@@ -77,6 +87,10 @@ def _body(rank, world_size):
     for comm_type in ("p2p", "all_gather"):
         _check(group, rank, world_size, comm_type, 4, 2, 5, torch.float64, seed=3)
     ring_attention.Q_TILE_ROWS = 1024
+    if world_size == 2:
+        q, k, v, _ = _inputs(1, 2, 2, 4, 8, seed=0)
+        with pytest.raises(ValueError, match="but cp_rank is"):
+            context_parallel_attention(q, k, v, group=group, cp_rank=1 - rank, cp_size=2)
     if world_size == 4:
         # CP groups whose global ranks are strided (TP innermost): {0, 2} and {1, 3}.
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]

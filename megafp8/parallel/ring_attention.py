@@ -229,5 +229,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     ranks = tuple(dist.get_process_group_ranks(group))
     if len(ranks) != cp_size:
         raise ValueError(f"context parallel attention: the CP group has {len(ranks)} ranks, cp_size is {cp_size}")
+    if ranks[cp_rank] != dist.get_rank():
+        raise ValueError(f"context parallel attention: global rank {dist.get_rank()} is member "
+                         f"{ranks.index(dist.get_rank()) if dist.get_rank() in ranks else 'none'} of the CP group "
+                         f"{ranks}, but cp_rank is {cp_rank}")
     handle = GroupHandle(group=group, ranks=ranks, rank=cp_rank, counters=counters or CommCounters())
     return _ContextParallelAttention.apply(q, k, v, handle, comm_type)
