@@ -21,7 +21,8 @@ autograd; the op also receives the leaf Parameter, only to route its gradient.
 
 Gradient routing: if a parameter (weight or bias) has `main_grad` (any float dtype), its gradient is
 added there in fp32 and the op returns None for it, so `.grad` stays None (Megatron's gradient-
-accumulation fusion). Smooth-SwiGLU hands the op the FP8 copy of W / s and `wgrad_column_scale = 1/s`:
+accumulation fusion). In a zero-bubble pipeline's B pass (`layer.wgrad_deferral` active, deferred_wgrad.py)
+the wgrad GEMM is queued with its FP8 operands and run in the W pass instead. Smooth-SwiGLU hands the op the FP8 copy of W / s and `wgrad_column_scale = 1/s`:
 the wgrad of W / s times 1/s per column (exact for powers of two) is the wgrad of the leaf W.
 
 Under sequence parallelism (a SequenceParallelComm given by the tensor-parallel layer) every tensor
