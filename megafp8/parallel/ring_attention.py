@@ -135,8 +135,9 @@ def _split_heads(q, k, v, ct):
     return q.reshape(b, groups, heads // groups, s, d).to(ct), torch.stack([k, v]).contiguous()
 
 
-def _kv_block(kv: torch.Tensor, rows: slice, ct) -> tuple[torch.Tensor, torch.Tensor]:
-    return kv[0, :, :, None, rows].to(ct), kv[1, :, :, None, rows].to(ct)
+def _kv_block(kv: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows of packed ``[2, b, G, s, d]`` (already in the compute dtype) as ``[b, G, 1, rows, d]``."""
+    return kv[0, :, :, None, rows], kv[1, :, :, None, rows]
 
 
 def _forward(q, k, v, handle: GroupHandle, comm_type: str):
@@ -155,8 +156,9 @@ def _forward(q, k, v, handle: GroupHandle, comm_type: str):
         if gathered is not None and step > 0:
             kv = all_kv[src]
         pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
+        kv_ct = kv.to(ct)  # once per block, not per tile (the wire keeps the input dtype)
         for q_rows, k_rows, causal in _block_tiles(r, src, chunk):
-            block_out, block_lse = _block_forward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), causal, scale)
+            block_out, block_lse = _block_forward(q5[..., q_rows, :], *_kv_block(kv_ct, k_rows), causal, scale)
             _merge(out[..., q_rows, :], lse[..., q_rows], block_out, block_lse)
         if pending is not None:
             kv = pending.wait()
@@ -188,8 +190,9 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
             kv = all_kv[src]
         kv_pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
         dkv = all_dkv[src] if ring is None else torch.zeros(kv.shape, dtype=ct, device=q.device)
+        kv_ct = kv.to(ct)
         for q_rows, k_rows, causal in _block_tiles(r, src, chunk):
-            dq_b, dk_b, dv_b = _block_backward(q5[..., q_rows, :], *_kv_block(kv, k_rows, ct), dout5[..., q_rows, :],
+            dq_b, dk_b, dv_b = _block_backward(q5[..., q_rows, :], *_kv_block(kv_ct, k_rows), dout5[..., q_rows, :],
                                                lse[..., q_rows], delta[..., q_rows], causal, scale)
             dq[..., q_rows, :] += dq_b
             dkv[0, :, :, k_rows] += dk_b.squeeze(2)
