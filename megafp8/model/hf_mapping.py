@@ -163,8 +163,14 @@ def hf_rope_problems(hf_config: Any) -> list[str]:
     return problems
 
 
+# The sequence length a config without one gets: HF configs only state the longest (Llama-3.1: 131072 positions),
+# which as a training or fine-tuning default would size every micro-batch (and its RoPE table) for 128k tokens.
+DEFAULT_HF_SEQ_LENGTH = 4096
+
+
 def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overrides: Any) -> ModelConfig:
-    """The ModelConfig of an HF ``LlamaConfig`` (attribute access, so a loaded config.json works too)."""
+    """The ModelConfig of an HF ``LlamaConfig`` (attribute access, so a loaded config.json works too). seq_length
+    defaults to min(max_position_embeddings, DEFAULT_HF_SEQ_LENGTH); max_position_embeddings stays the model's."""
     problems = hf_rope_problems(hf_config)
     if problems:
         raise ValueError("unsupported RoPE: " + "; ".join(problems))
@@ -179,7 +185,7 @@ def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overri
                   ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
                   num_query_groups=hf_config.num_key_value_heads, vocab_size=hf_config.vocab_size,
                   max_position_embeddings=hf_config.max_position_embeddings,
-                  seq_length=seq_length or hf_config.max_position_embeddings, norm_eps=hf_config.rms_norm_eps,
+                  seq_length=seq_length or min(hf_config.max_position_embeddings, DEFAULT_HF_SEQ_LENGTH), norm_eps=hf_config.rms_norm_eps,
                   rope_theta=theta, tie_embeddings=hf_config.tie_word_embeddings,
                   init_method_std=hf_config.initializer_range, **scaling)
     fields.update(overrides)
