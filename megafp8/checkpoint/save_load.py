@@ -62,7 +62,7 @@ class LoadedCheckpoint:
 
 def _layout(ps: ParallelState) -> dict[str, int]:
     return {"tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
-            "data_parallel_size": ps.dp_size, "world_size": ps.world_size}
+            "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size, "world_size": ps.world_size}
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -210,7 +210,7 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
     run_agreed(verify_share, f"verifying {path}")
     saved_layout, saved_args, contents = manifest["layout"], manifest.get("args", {}), set(manifest["contents"])
     load_optim = optimizer_state is not None and not (finetune or no_load_optim)
-    same_layout = saved_layout == _layout(parallel_state)
+    same_layout = {"context_parallel_size": 1, **saved_layout} == _layout(parallel_state)  # CP 1 before CP existed
     load_rng = not (finetune or no_load_rng) and same_layout
     messages = []
     if not (finetune or no_load_rng) and not same_layout:
