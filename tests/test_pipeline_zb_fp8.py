@@ -4,7 +4,8 @@ off bit for bit (the same GEMMs on the same FP8 operands, each added once: a dou
 is >= 40 dB from the PP=1 FP8 run, and each bucket's overlapped reduction starts only once its main_grad is
 final (no W pass adds to it afterwards). TP=2 x PP=2 with sequence parallelism (x^T gathered over TP in W) against
 PP=1 (tests/pipeline_testing.py). Then through the training entry with its default flags: every ZB
-schedule trains like 1F1B (FP8 delayed losses within 1e-3)."""
+schedule trains like 1F1B (FP8 delayed losses within 1e-3), and ZBV like 1F1B under the distributed optimizer with
+overlapped grad reduce, overlapped FP8 param gather."""
 from __future__ import annotations
 
 import json
@@ -83,8 +84,9 @@ ENTRY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-laye
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
          "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "3", "--eval-iters", "0", "--log-interval", "1",
          "--distributed-timeout-minutes", "1", "--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"]
+ZERO = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--fp8-param-gather"]
 ENTRY_RUNS = {"1f1b": [], "interleaved-zb": ["--num-layers-per-virtual-pipeline-stage", "1"], "zbv": [],
-              "dualpipev": []}
+              "dualpipev": [], "1f1b+zero": ZERO, "zbv+zero": ZERO}  # ZeRO: FP8 param gather, overlapped reduce
 
 
 def _entry_body(rank: int, world_size: int, prefix: str, out: str) -> None:
@@ -94,7 +96,7 @@ def _entry_body(rank: int, world_size: int, prefix: str, out: str) -> None:
     from megafp8.training.run import run
 
     for schedule, flags in ENTRY_RUNS.items():
-        args = parse_args([*ENTRY, "--pipeline-schedule", schedule, *flags, "--data-path", prefix,
+        args = parse_args([*ENTRY, "--pipeline-schedule", schedule.split("+")[0], *flags, "--data-path", prefix,
                            "--log-dir", f"{out}/{schedule}"], world_size)
         assert run(args, parallel_state_from_args(args), model_config_from_args(args, tokenizer_vocab_size(args))) == 0
 
@@ -109,9 +111,9 @@ def test_training_entry_zero_bubble_fp8_trains_like_1f1b(tmp_path):
     prefix = str(tmp_path / "synthetic_text_document")
     write_synthetic_dataset(prefix, [40] * 60, vocab_size=300)
     run_distributed(_entry_body, world_size=2, args=(prefix, str(tmp_path / "runs")), timeout_s=600)
-    reference = _losses(tmp_path / "runs" / "1f1b")
-    assert len(reference) == 3
     for schedule in ENTRY_RUNS:
+        reference = _losses(tmp_path / "runs" / ("1f1b+zero" if schedule.endswith("+zero") else "1f1b"))
+        assert len(reference) == 3
         losses = _losses(tmp_path / "runs" / schedule)
         assert len(losses) == 3, schedule
         for got, want in zip(losses, reference):
