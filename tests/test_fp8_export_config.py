@@ -39,18 +39,23 @@ def _dequantize_fp64(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Ten
     return weight.double() * scale[:weight.shape[0], :weight.shape[1]]
 
 
+def save_tiny_checkpoint(directory, recipe, iteration, num_layers, hidden_size, ffn_hidden_size, **save_kw):
+    """A megafp8 checkpoint of a fresh tiny model saved with these training flags."""
+    config = ModelConfig(num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                         num_attention_heads=2, num_query_groups=1, vocab_size=100, seq_length=16,
+                         max_position_embeddings=32)
+    torch.manual_seed(0)
+    single = ParallelState().init_process_groups()
+    save_checkpoint(directory, iteration, model=GPTModel(config, single), parallel_state=single,
+                    args={**training_args(config), "seq_length": 16, **recipe}, **save_kw)
+
+
 def test_hf_fp8_export_is_self_describing_and_loads(tmp_path):
     from safetensors.torch import load_file
 
     # 3 layers (layers 0 and 2 trained in BF16), several 128x128 blocks per weight; whole blocks, because
     # transformers 5.24's CPU dequantization takes the block as rows // scale_rows (docs/conversion.md)
-    config = ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=384, num_attention_heads=2,
-                         num_query_groups=1, vocab_size=100, seq_length=16, max_position_embeddings=32)
-    torch.manual_seed(0)
-    single = ParallelState().init_process_groups()
-    model = GPTModel(config, single)
-    save_checkpoint(tmp_path / "m8", 7, model=model, parallel_state=single,
-                    args={**training_args(config), "seq_length": 16, **RECIPE})
+    save_tiny_checkpoint(tmp_path / "m8", RECIPE, 7, num_layers=3, hidden_size=256, ffn_hidden_size=384)
     result = convert("--load-format", "megafp8", "--save-format", "hf-fp8", "--load-dir", tmp_path / "m8",
                      "--save-dir", tmp_path / "fp8")
     assert result.returncode == 0, result.stderr

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from megafp8.checkpoint.atomic import iteration_dir, read_tracker
 from megafp8.checkpoint.fp8_export import (BLOCK, RECIPE_KEY, fp8_linear_names, quantization_config,
-                                           quantize_blockwise, training_recipe)
+                                           quantize_blockwise, read_guard_switched, training_recipe)
 from megafp8.checkpoint.hf_files import (ConversionError, HfTensors, ShardedSafetensorsWriter, atomic_output_dir,
                                          model_config_from_hf_dict, read_hf_config)
 from megafp8.checkpoint.manifest import check_file, read_manifest
@@ -312,9 +312,11 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                  "torch_dtype": str(dtype).removeprefix("torch.")}
     fp8 = save_format == "hf-fp8"
-    fp8_modules = fp8_linear_names(config.num_layers, reader.manifest.get("args", {})) if fp8 else set()
+    switched = read_guard_switched(reader.path, reader.metadata) if fp8 else []  # exported in bf16, as trained
+    fp8_modules = fp8_linear_names(config.num_layers, reader.manifest.get("args", {}), switched) if fp8 else set()
     if fp8:
-        hf_config["quantization_config"] = quantization_config(config.num_layers, reader.manifest.get("args", {}))
+        hf_config["quantization_config"] = quantization_config(config.num_layers, reader.manifest.get("args", {}),
+                                                               switched)
         hf_config[RECIPE_KEY] = training_recipe(reader.manifest)
     plan = []
     for name in _hf_order(config):

@@ -3,10 +3,13 @@ float8_e4m3fn plus a float32 ``weight_scale_inv`` of shape [ceil(out/128), ceil(
 ``weight ≈ fp8.float() * weight_scale_inv`` expanded block-wise), and the ``config.json`` fields that describe it."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 BLOCK = 128
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -20,6 +23,11 @@ RECIPE_FLAGS = ("fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_co
                 "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp8_saturation_guard", "bf16",
                 "activation", "master_weight_dtype", "optimizer_state_dtype")
 RECIPE_KEY = "megafp8_training_recipe"  # config.json key; transformers keeps unknown keys through save_pretrained
+# megafp8's FP8 linears (the saturation guard's layer names) -> the HF linears they become
+HF_LINEARS_OF = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attention.linear_proj": ("self_attn.o_proj",),
+                 "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"), "mlp.linear_fc2": ("mlp.down_proj",)}
+_GUARD_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(" + "|".join(re.escape(k) for k in HF_LINEARS_OF) + r")$")
 
 
 def bf16_layers(num_layers: int, saved_args: Mapping[str, Any]) -> list[int]:
@@ -31,18 +39,46 @@ def bf16_layers(num_layers: int, saved_args: Mapping[str, Any]) -> list[int]:
     return sorted(set(range(min(keep, num_layers))) | set(range(max(num_layers - keep, 0), num_layers)))
 
 
-def fp8_linear_names(num_layers: int, saved_args: Mapping[str, Any]) -> set[str]:
-    """The HF module names (``model.layers.N.self_attn.q_proj`` ...) stored in block FP8."""
+def guard_switched_hf_linears(switched: Iterable[str]) -> list[str]:
+    """The HF module names of the layers the FP8 saturation guard switched to high precision (its state's
+    ``switched``: megafp8 module names such as ``layers.3.mlp.linear_fc1``), in layer order."""
+    names = []
+    for layer in switched:
+        match = _GUARD_LAYER.search(layer)
+        if match is None:
+            raise ValueError(f"saturation guard state names {layer!r}, which is not a decoder layer's FP8 linear")
+        names += [f"model.layers.{match[1]}.{linear}" for linear in HF_LINEARS_OF[match[2]]]
+    return sorted(set(names), key=lambda n: (int(n.split(".")[2]), n))
+
+
+def read_guard_switched(checkpoint: Path, metadata: Mapping[str, Any]) -> list[str]:
+    """Every saved rank's guard-switched layers in a committed checkpoint (save_checkpoint's ``fp8_guard``)."""
+    from megafp8.checkpoint.save_load import _from_bytes, _single_process_quiet  # the checkpoint's own formats
+
+    ranks = sorted({key.split(".")[1] for key in metadata if key.startswith("fp8_guard.")})
+    if not ranks:
+        return []
+    state = {"fp8_guard": {rank: b"" for rank in ranks}}
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
+    return sorted({name for data in state["fp8_guard"].values() for name in _from_bytes(data).get("switched", [])})
+
+
+def fp8_linear_names(num_layers: int, saved_args: Mapping[str, Any], switched: Iterable[str] = ()) -> set[str]:
+    """The HF module names (``model.layers.N.self_attn.q_proj`` ...) stored in block FP8: not those of the layers
+    trained in BF16, nor of those the saturation guard switched to high precision (``switched``, its names)."""
     kept = set(bf16_layers(num_layers, saved_args))
-    return {f"model.layers.{i}.{linear}" for i in range(num_layers) if i not in kept for linear in HF_LAYER_LINEARS}
+    names = {f"model.layers.{i}.{linear}" for i in range(num_layers) if i not in kept for linear in HF_LAYER_LINEARS}
+    return names - set(guard_switched_hf_linears(switched))
 
 
-def quantization_config(num_layers: int, saved_args: Mapping[str, Any]) -> dict[str, Any]:
+def quantization_config(num_layers: int, saved_args: Mapping[str, Any], switched: Iterable[str] = ()) -> dict[str, Any]:
     """config.json's ``quantization_config``: DeepSeek-V3's fields, plus ``modules_to_not_convert`` naming every
-    linear kept in bf16 (``lm_head``, and the layers the run trained in BF16), which transformers'
-    FineGrainedFP8Config reads (and vLLM's Fp8Config when it finds no ``ignored_layers``)."""
+    linear kept in bf16 (``lm_head``, the layers the run trained in BF16 and those the saturation guard switched),
+    which transformers' FineGrainedFP8Config reads (and vLLM's Fp8Config when it finds no ``ignored_layers``)."""
     kept = ["lm_head"] + [f"model.layers.{i}.{linear}" for i in bf16_layers(num_layers, saved_args)
                           for linear in HF_LAYER_LINEARS]
+    kept += [name for name in guard_switched_hf_linears(switched) if name not in kept]
     return {**QUANTIZATION_CONFIG, "modules_to_not_convert": kept}
 
 
