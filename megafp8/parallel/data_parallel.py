@@ -109,6 +109,7 @@ class Bucket:
     ready: dict = field(default_factory=dict)  # param -> backward passes seen this iteration
     deferred: bool = False  # holds a tied-embedding copy: reduced in finish_grad_sync, not in backward
     grad_work: object = None  # the DP reduction in flight; its wait() gives this rank's reduced shard
+    fp8_grad_segments: tuple | None = None  # (segment id per 128-group, count): one FP8 scale per param per shard
     param_work: object = None
     param_sync_pending: bool = False
 
@@ -132,6 +133,17 @@ def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.
             if recipe is not None and not m.runs_high_precision:
                 infos[m.weight] = Fp8ParamInfo(m, recipe)
     return infos
+
+
+def _param_piece_segments(bucket: Bucket, dp_size: int) -> tuple[torch.Tensor, int]:
+    """Segment ``piece * P + k`` for the 128-groups of parameter ``k`` (and the padding after it) in DP piece
+    ``piece``: parameters start on group boundaries and pieces end on them, so no group straddles two."""
+    starts = torch.tensor([bucket.ranges[p][0] for p in bucket.params]) // ALIGN
+    groups = torch.arange(bucket.numel // ALIGN)
+    param_of_group = torch.searchsorted(starts, groups, right=True) - 1
+    piece_of_group = groups // (bucket.numel // ALIGN // dp_size)
+    segments = piece_of_group * len(bucket.params) + param_of_group
+    return segments.to(bucket.grad_data.device), dp_size * len(bucket.params)
 
 
 def _tied_embedding_params(module: nn.Module, parallel_state: ParallelState) -> set[nn.Parameter]:
@@ -308,7 +320,10 @@ class DistributedDataParallel(nn.Module):
             return
         bucket.grad_data.div_(self.dp.size)  # average over DP (sum of per-replica mean losses / DP)
         if bucket.fp8_grad:
-            bucket.grad_work = fp8_reduce_scatter_async(bucket.grad_data, self.dp, "dp_grad_reduce")
+            if bucket.fp8_grad_segments is None:
+                bucket.fp8_grad_segments = _param_piece_segments(bucket, self.dp.size)
+            bucket.grad_work = fp8_reduce_scatter_async(bucket.grad_data, self.dp, "dp_grad_reduce",
+                                                        segments=bucket.fp8_grad_segments)
         elif self.distributed:
             size = bucket.numel // self.dp.size
             shard_out = torch.empty(size, dtype=bucket.grad_data.dtype, device=bucket.grad_data.device)
