@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer)")
     g.add_argument("--fp8-grad-reduce", action="store_true",
                    help="distributed optimizer with FP8: the gradient buckets of FP8 layers travel as FP8 (one scale "
-                        "per bucket piece agreed over DP, an all-to-all, a local fp32 sum) instead of a "
+                        "per parameter and piece agreed over DP, an all-to-all, a local fp32 sum) instead of a "
                         "reduce-scatter in the buffer's precision (docs/optimizer.md)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="the gradient buffer and its reduction in bf16 instead of fp32")
