@@ -1,5 +1,5 @@
 """Zero-bubble schedules that split the FP8 weight gradient (megafp8/fp8/deferred_wgrad.py) under the DDP grad
-buffer with --overlap-grad-reduce, at PP=2: every ZB schedule's main_grad equals the same layout with the split
+buffer with --overlap-grad-reduce, at PP=2: every ZB schedule's main_grad, under every FP8 recipe, equals the same layout with the split
 off bit for bit (the same GEMMs on the same FP8 operands, each added once: a doubled or lost wgrad cannot pass),
 is >= 40 dB from the PP=1 FP8 run, and each bucket's overlapped reduction starts only once its main_grad is
 final (no W pass adds to it afterwards). TP=2 x PP=2 with sequence parallelism (x^T gathered over TP in W) against
@@ -26,13 +26,15 @@ from pipeline_testing import Case, config
 ZB_CASES = [Case(schedule="interleaved-zb", vpp=1, fp8=True), Case(schedule="zbv", tie=True, fp8=True),
             Case(schedule="dualpipev", fp8=True, recompute="full")]
 MICRO = 4
+RECIPES = {"delayed": Fp8Recipe.delayed, "tensorwise": Fp8Recipe.tensorwise, "rowwise": Fp8Recipe.rowwise,
+           "blockwise": Fp8Recipe.blockwise}
 
 
-def _main_grads(case: Case, world_size: int, ids: torch.Tensor, split: bool):
+def _main_grads(case: Case, world_size: int, ids: torch.Tensor, split: bool, recipe: str):
     cfg = config(case)
     ps = ParallelState(world_size=world_size, pipeline_model_parallel_size=2, pipeline_schedule=case.schedule,
                        num_layers_per_virtual_pipeline_stage=case.vpp).init_process_groups()
-    pipe = build_pipeline(cfg, ps, micro_batch_size=1, num_microbatches=MICRO, fp8_recipe=Fp8Recipe.delayed(),
+    pipe = build_pipeline(cfg, ps, micro_batch_size=1, num_microbatches=MICRO, fp8_recipe=RECIPES[recipe](),
                           split_weight_grads=split, reduce_replicated_grads=False)
     ddp = DistributedDataParallel(pipe.modules, ps, DDPConfig(overlap_grad_reduce=True, num_microbatches=MICRO,
                                                               bucket_size=2000))
@@ -59,20 +61,21 @@ def _main_grads(case: Case, world_size: int, ids: torch.Tensor, split: bool):
 
 def _split_body(rank: int, world_size: int) -> None:
     for case in ZB_CASES:
-        cfg = config(case)
-        ids = torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_length), generator=torch.Generator().manual_seed(3))
-        reference = build_pipeline(cfg, ParallelState().init_process_groups(), micro_batch_size=1,
-                                   num_microbatches=MICRO, fp8_recipe=Fp8Recipe.delayed())
-        for _ in range(2):
-            reference.zero_grad()
-            reference.step(ids, ids.roll(-1, dims=1))
-        ref = dict(reference.named_parameters())
-        split = _main_grads(case, world_size, ids, split=True)
-        unsplit = _main_grads(case, world_size, ids, split=False)
-        for name, grad in split.items():
-            assert torch.equal(grad, unsplit[name]), f"{case}: {name} split != unsplit"
-            want = ref["embedding.weight" if case.tie and name == "output_layer.weight" else name].grad
-            assert sqnr_db(grad, want) >= 40, (str(case), name, sqnr_db(grad, want))
+        for recipe in RECIPES:  # every ZB schedule x every FP8 recipe
+            cfg = config(case)
+            ids = torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_length), generator=torch.Generator().manual_seed(3))
+            reference = build_pipeline(cfg, ParallelState().init_process_groups(), micro_batch_size=1,
+                                       num_microbatches=MICRO, fp8_recipe=RECIPES[recipe]())
+            for _ in range(2):
+                reference.zero_grad()
+                reference.step(ids, ids.roll(-1, dims=1))
+            ref = dict(reference.named_parameters())
+            split = _main_grads(case, world_size, ids, split=True, recipe=recipe)
+            unsplit = _main_grads(case, world_size, ids, split=False, recipe=recipe)
+            for name, grad in split.items():
+                assert torch.equal(grad, unsplit[name]), f"{case} {recipe}: {name} split != unsplit"
+                want = ref["embedding.weight" if case.tie and name == "output_layer.weight" else name].grad
+                assert sqnr_db(grad, want) >= 40, (str(case), recipe, name, sqnr_db(grad, want))
 
 
 @pytest.mark.distributed
