@@ -1,5 +1,6 @@
 """Context parallelism through the training entry (torchrun, gloo, fresh processes): CP 2 and CP 4 train like
-CP 1 (fp32, per-step loss and grad norm), FP8 delayed scaling within its usual bound, a CP-2 checkpoint resumes
+CP 1 (fp32, per-step loss and grad norm), FP8 delayed scaling within its usual bound (also with FP8 param
+gather and FP8 grad reduce), a CP-2 checkpoint resumes
 at CP 1 and CP 4, and TP2 x CP2 x PP2 (8 processes, sequence parallel, ZeRO) trains like CP 1 and resumes
 bit-exact, and PP2 x CP2 under a zero-bubble schedule trains like one process (fp32 and FP8)."""
 from __future__ import annotations
@@ -58,9 +59,16 @@ def test_context_parallel_trains_like_cp1_fp32(data_prefix, tmp_path, cp1, cp):
     _assert_close(_train(cp, data_prefix, tmp_path, *ZERO, "--context-parallel-size", str(cp)), cp1, 1e-5)
 
 
-def test_context_parallel_fp8_delayed_within_bounds(data_prefix, tmp_path):
-    reference = _train(1, data_prefix, tmp_path / "cp1", *FP8)
-    cp2 = _train(2, data_prefix, tmp_path / "cp2", *FP8, "--context-parallel-size", "2")
+# --fp8-grad-reduce at CP 2, DP 1: the FP8 reduce runs over the DP x CP group (at CP 1 it has nobody to reduce with).
+FP8_EXTRAS = {"plain": [],
+              "fp8-param-gather": [*ZERO, "--fp8-param-gather", "--overlap-param-gather", "--overlap-grad-reduce"],
+              "fp8-grad-reduce": [*ZERO, "--fp8-grad-reduce", "--overlap-grad-reduce"]}
+
+
+@pytest.mark.parametrize("extra", list(FP8_EXTRAS))
+def test_context_parallel_fp8_delayed_within_bounds(data_prefix, tmp_path, extra):
+    reference = _train(1, data_prefix, tmp_path / "cp1", *FP8, *FP8_EXTRAS[extra])
+    cp2 = _train(2, data_prefix, tmp_path / "cp2", *FP8, *FP8_EXTRAS[extra], "--context-parallel-size", "2")
     # The amax group spans CP, so every cast uses CP 1's scale, except where a history is still empty (scale 1):
     # each CP rank's output gradients are CP x its share, so E5M2 rounds them differently there.
     _assert_close({it: v[:1] for it, v in cp2.items()}, {it: v[:1] for it, v in reference.items()}, 1e-3)
