@@ -225,11 +225,11 @@ class Pipeline:
         return (seq // ps.tp_size if ps.sequence_parallel else seq), self.micro_batch_size, self.config.hidden_size
 
     def _cp_group(self):
-        return self.parallel_state.cp_group if getattr(self.parallel_state, "cp_size", 1) > 1 else None
+        return self.parallel_state.cp_group if self.parallel_state.cp_enabled else None
 
     def _local_seq_length(self) -> int:
         """Tokens of a sequence on this rank: context parallelism splits each sequence over its CP ranks."""
-        return self.config.seq_length // getattr(self.parallel_state, "cp_size", 1)
+        return self.config.seq_length // self.parallel_state.cp_size
 
     def _build_schedule(self, fp8_recipe: Fp8Recipe | None, split_weight_grads: bool):
         ps, cfg = self.parallel_state, self.config
