@@ -12,10 +12,14 @@ from distributed_testing import run_distributed
 from optim_testing import build, local_micro_batches, make_ddp, tiny_config, train_step
 from megafp8.fp8 import Fp8Recipe
 from megafp8.optim import DistributedOptimizer
+from megafp8.optim import fp8_publication
 from megafp8.optim.fp8_param_cast import num_scale_groups
+from megafp8.optim.fp8_publication import SLAB_GROUPS
+from megafp8.parallel import collectives as C
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
 from megafp8.parallel.parallel_state import ParallelState
-from megafp8_kernels.quantize_reference import quantize_reference
+from megafp8_kernels import Granularity, fp8_format, scale_from_amax, scale_shape
+from megafp8_kernels.quantize_reference import quantize_reference, reciprocal, saturating_cast
 
 LR, STEPS = 1e-3, 3
 RECIPES = {"delayed": Fp8Recipe.delayed(amax_history_len=4), "tensorwise": Fp8Recipe.tensorwise(),
@@ -126,3 +130,123 @@ def _overlap_body(rank, world_size):
 @pytest.mark.distributed
 def test_overlap_param_gather_is_bit_identical():
     run_distributed(_overlap_body, world_size=2, timeout_s=600)
+
+
+# ---- the whole-shard publication against the per-fragment, per-chunk loop it replaced -------------------------
+def _reference_group_index(lo, hi, shape, gran):
+    if gran is Granularity.TENSORWISE:
+        return None
+    idx = torch.arange(lo, hi)
+    rows = idx // shape[1]
+    if gran is Granularity.ROWWISE:
+        return rows
+    return (rows // 128) * -(-shape[1] // 128) + (idx % shape[1]) // 128
+
+
+def _reference_publish(opt, out: dict, reduced: list) -> dict:
+    """The publication as it was (one chunk of one fragment at a time), writing the bytes into ``out[bucket]``
+    and the DP all-reduce's input and output into ``reduced``; returns each weight's scale_inv."""
+    infos = opt.ddp.fp8_params
+    quant = {p: info.module.fp8_weight_quantization(info.recipe) for p, info in infos.items()}
+    for q in quant.values():
+        q.observe(torch.zeros(()))
+
+    def chunks(frag, q):
+        for _b, s, n, pl in opt._chunks(frag):
+            yield opt._decode_master(frag, s, n), _reference_group_index(pl, pl + n, tuple(frag.param.shape),
+                                                                         q.granularity), pl
+
+    frags = [f for f in opt.fragments if f.param in infos]
+    scales = {p: q.scale.reshape(1) for p, q in quant.items() if q.scale is not None}
+    current = [p for p in infos if p not in scales]
+    if current:
+        sizes = [num_scale_groups(tuple(p.shape), quant[p].granularity) for p in current]
+        amax = torch.zeros(sum(sizes))
+        views = dict(zip(current, amax.split(sizes)))
+        for frag in frags:
+            if frag.param in views:
+                for values, groups, _pl in chunks(frag, quant[frag.param]):
+                    a, v = values.abs().float(), views[frag.param]
+                    if groups is None:
+                        torch.maximum(v, a.amax().reshape(1), out=v)
+                    else:
+                        v.scatter_reduce_(0, groups, a, reduce="amax")
+        reduced.append(amax.clone())
+        C.all_reduce(amax, opt.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
+        reduced.append(amax.clone())
+        for p in current:
+            q = quant[p]
+            scales[p] = scale_from_amax(views[p], fp8_format(q.fp8_dtype).max, q.power_of_2_scale)
+    for frag in frags:
+        q = quant[frag.param]
+        for values, groups, pl in chunks(frag, q):
+            lo = frag.bucket_lo + pl - frag.param_lo
+            per_element = scales[frag.param].reshape(()) if groups is None else scales[frag.param][groups]
+            cast = saturating_cast(values.float() * per_element, fp8_format(q.fp8_dtype)).view(torch.uint8)
+            out[frag.bucket][lo:lo + values.numel()].copy_(cast)
+            q.observe(values.abs().amax())
+    return {p: reciprocal(scales[p]).reshape(scale_shape(p.shape[0], p.shape[1], quant[p].granularity))
+            for p in infos}
+
+
+def _pending(ddp) -> list[torch.Tensor]:
+    return [q.state.pending_amax for info in ddp.fp8_params.values()
+            if (q := info.module.fp8_weight_quantization(info.recipe)).state is not None]
+
+
+def _check_publication(opt, label):
+    """The publication's bytes, scale_inv, observed amaxes and DP all-reduce equal the reference loop's."""
+    ddp = opt.ddp
+    before_pending = [t.clone() for t in _pending(ddp)]
+    out = {b: b.fp8_data.clone() for b in ddp.buckets if b.fp8}
+    new_reduced, ref_reduced, all_reduce = [], [], C.all_reduce
+
+    def recording(tensor, handle, kind, op=dist.ReduceOp.SUM):
+        if kind == "dp_param_allgather":
+            new_reduced.append(tensor.clone())
+            all_reduce(tensor, handle, kind, op)
+            new_reduced.append(tensor.clone())
+            return tensor
+        return all_reduce(tensor, handle, kind, op)
+
+    C.all_reduce = recording
+    try:
+        opt._fp8_publication.publish()
+    finally:
+        C.all_reduce = all_reduce
+    new_pending = [t.clone() for t in _pending(ddp)]
+    for t, v in zip(_pending(ddp), before_pending):
+        t.copy_(v)
+    scale_inv = _reference_publish(opt, out, ref_reduced)
+    for bucket, expected in out.items():
+        assert torch.equal(bucket.fp8_data, expected), (label, bucket.index)
+    for p, info in ddp.fp8_params.items():
+        assert info.scale_inv.shape == scale_inv[p].shape and torch.equal(info.scale_inv, scale_inv[p]), label
+    assert all(torch.equal(a, b) for a, b in zip(new_pending, _pending(ddp))), label
+    assert len(new_reduced) == len(ref_reduced) and all(torch.equal(a, b) for a, b in zip(new_reduced, ref_reduced)), label
+
+
+def _publication_body(rank, world_size):
+    # Rows and columns off the 128 grid (160, 200, 480), shards of DP=2 cutting rows and 128x128 blocks.
+    cfg = tiny_config(num_layers=2, hidden_size=160, ffn_hidden_size=200, num_attention_heads=4)
+    ps = ParallelState(world_size=world_size).init_process_groups()
+    for scaling, master, bucket_size, slab_groups in [(s, m, b, g) for s in RECIPES for m in ("fp32", "fp16")
+                                                      for b, g in ((700, SLAB_GROUPS), (None, 3))]:
+        fp8_publication.SLAB_GROUPS = slab_groups  # 3: slabs end inside weights and buckets
+        try:
+            model = build(cfg, ps, fp8_recipe=RECIPES[scaling])
+            ddp = make_ddp(model, ps, use_distributed_optimizer=True, fp8_param_gather=True, bucket_size=bucket_size)
+            opt = DistributedOptimizer(ddp, weight_decay=0.1, master_weight_dtype=master)
+        finally:
+            fp8_publication.SLAB_GROUPS = SLAB_GROUPS
+        label = (scaling, master, bucket_size, slab_groups)
+        _check_publication(opt, label + ("cold",))  # a delayed recipe's states are cold before the first update
+        manager = fp8_scaling_manager(model, ps)
+        for step in range(2):
+            train_step(ddp, opt, cfg, step, LR, before_step=manager.update)
+        _check_publication(opt, label)
+
+
+@pytest.mark.distributed
+def test_publication_equals_the_per_chunk_loop():
+    run_distributed(_publication_body, world_size=2, timeout_s=600)

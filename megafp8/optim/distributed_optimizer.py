@@ -31,15 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import invalidate_fp8_weight_caches
-from megafp8.optim.fp8_param_cast import (accumulate_group_amax, cast_to_fp8, group_index, num_scale_groups,
-                                          scale_inv_for)
+from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
 from megafp8.optim.stochastic_rounding import counter_uniform_at, rounding_keys, stochastic_round_to_fp16
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tensor_bytes
 from megafp8.parallel.sharding import is_tensor_model_parallel
-from megafp8_kernels import fp8_format, scale_from_amax
 
 MASTER_DTYPES = ("fp32", "fp16")
 FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
@@ -89,7 +87,8 @@ class DistributedOptimizer:
     clip_grad:              --clip-grad; global L2 norm over TP x PP x DP (0 = off)
     master_weight_dtype:    --master-weight-dtype fp32|fp16
     optimizer_state_dtype:  --optimizer-state-dtype fp32|bf16|fp8 (see megafp8.optim.state_codec)
-    chunk_size:             elements decoded at once when publishing FP8 weights (the step takes whole buckets)
+    chunk_size:             elements decoded at once when writing a guard-switched weight (the step and the FP8
+                            publication take whole slabs)
     rounding_seed:          seeds the fp16 master's stochastic rounding (the same seed resumes bit-exactly)
     """
 
@@ -116,6 +115,7 @@ class DistributedOptimizer:
         self._step = torch.zeros((), dtype=torch.int64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._make_group_tables(numel, device)
+        self._fp8_publication: Fp8Publication | None = None
         self.master: StateCodec = PlainCodec(numel, device, torch.float16 if master_weight_dtype == "fp16" else torch.float32)
         self.master_scale = torch.ones(len(self.fragments), device=device)  # fp16 codes = value * scale
         self.exp_avg = make_state_codec(optimizer_state_dtype, numel, device)
@@ -357,18 +357,17 @@ class DistributedOptimizer:
         run, or in the run a checkpoint came from) is published in high precision."""
         invalidate_fp8_weight_caches(self.ddp.module)
         self.ddp.take_guard_switches()
-        fp8_frags = []
         whole = self._whole_shard_buckets()
         for bucket, lo, hi, start in self._shards:
             if bucket in whole:  # one copy per bucket shard (its padding holds zeros in both)
                 bucket.param_data[lo:hi].copy_(self._decode_storage(start, hi - lo))
         for frag in self.fragments:
-            if frag.param in self.ddp.fp8_params:
-                fp8_frags.append(frag)
-            elif frag.bucket not in whole:
+            if frag.param not in self.ddp.fp8_params and frag.bucket not in whole:
                 self._write_high_precision(frag)
         if self.ddp.fp8_params:
-            self._publish_fp8(fp8_frags)
+            if self._fp8_publication is None or self._fp8_publication.key != publication_key(self.ddp.fp8_params):
+                self._fp8_publication = Fp8Publication(self)  # built once, again when the guard switches a weight
+            self._fp8_publication.publish()
         self.ddp.start_param_sync()
 
     def _whole_shard_buckets(self) -> set[Bucket]:
@@ -400,50 +399,6 @@ class DistributedOptimizer:
             if frag.param in params:
                 self._write_high_precision(frag)
         self.ddp.gather_switched_weights(switched)
-
-    def _publish_fp8(self, fp8_frags: list[Fragment]) -> None:
-        """Cast each owned shard of an FP8 layer's weight to FP8 with scales every DP rank agrees on
-        (see megafp8.optim.fp8_param_cast) and record the scales the layers will be handed."""
-        infos = self.ddp.fp8_params
-        quant = {p: info.module.fp8_weight_quantization(info.recipe) for p, info in infos.items()}
-        for q in quant.values():
-            # Every rank observes every FP8 weight (0 where it owns none of it; the amax group's MAX gives
-            # the whole tensor's): a state's host-side cold/warm switch must flip on all ranks at once.
-            q.observe(torch.zeros((), device=self.master_scale.device))
-        scales = {p: q.scale.reshape(1) for p, q in quant.items() if q.scale is not None}
-        current = [p for p in infos if p not in scales]
-        if current:  # current scaling (or a cold delayed state): one batched MAX all-reduce of group amaxes
-            sizes = [num_scale_groups(tuple(p.shape), quant[p].granularity) for p in current]
-            amax = torch.zeros(sum(sizes), device=self.master_scale.device)
-            views = dict(zip(current, amax.split(sizes)))
-            for frag in fp8_frags:
-                if frag.param in views:
-                    self._for_fp8_chunks(frag, quant[frag.param], lambda values, groups, _pl, v=views[frag.param]:
-                                         accumulate_group_amax(v, values, groups))
-            C.all_reduce(amax, self.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
-            for p in current:
-                q = quant[p]
-                tp_sync = infos[p].module.sharded_amax_sync() if q.state is not None else None
-                if tp_sync is not None:  # a cold delayed weight: the whole tensor's scale, as the layer's own cast
-                    tp_sync(views[p])
-                scales[p] = scale_from_amax(views[p], fp8_format(q.fp8_dtype).max, q.power_of_2_scale)
-        for p, info in infos.items():
-            info.scale_inv = scale_inv_for(scales[p], tuple(p.shape), quant[p].granularity)
-        for frag in fp8_frags:
-            q, out = quant[frag.param], frag.bucket.fp8_data
-
-            def write(values, groups, param_lo, frag=frag, q=q, out=out):
-                lo = frag.bucket_lo + param_lo - frag.param_lo
-                out[lo:lo + values.numel()].copy_(cast_to_fp8(values, scales[frag.param], groups, q.fp8_dtype))
-                if q.state is not None:  # the weight role's amax keeps feeding its delayed-scaling history
-                    q.observe(values.abs().amax())
-
-            self._for_fp8_chunks(frag, q, write)
-
-    def _for_fp8_chunks(self, frag: Fragment, quant, fn) -> None:
-        for _b, s, n, pl in self._chunks(frag):
-            values = self._decode_master(frag, s, n)
-            fn(values, group_index(pl, pl + n, tuple(frag.param.shape), quant.granularity, values.device), pl)
 
     # ---- accounting -----------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:

@@ -16,45 +16,35 @@ import math
 import torch
 
 from megafp8_kernels import Granularity, fp8_format, scale_shape
-from megafp8_kernels.quantize_reference import reciprocal, saturating_cast
+from megafp8_kernels.quantize_reference import saturating_cast
 
 BLOCK = 128
+WHOLE = 1 << 62  # a divisor no flat index reaches: the quotient is 0 (one group along that dimension)
 
 
 def num_scale_groups(shape: tuple[int, int], gran: Granularity) -> int:
     return math.prod(scale_shape(shape[0], shape[1], gran))
 
 
-def group_index(lo: int, hi: int, shape: tuple[int, int], gran: Granularity, device=None) -> torch.Tensor | None:
-    """The scaling group of each element of the flat range ``[lo, hi)`` (None: a single group)."""
+def group_divisors(shape: tuple[int, int], gran: Granularity) -> tuple[int, int, int]:
+    """(row divisor, groups per row band, column divisor): element (r, c) of a weight of this shape is in
+    group ``(r // row_div) * per_band + c // col_div``, the row-major numbering of ``scale_shape``."""
     if gran is Granularity.TENSORWISE:
-        return None
-    cols = shape[1]
-    idx = torch.arange(lo, hi, device=device)
-    rows = idx // cols
+        return WHOLE, 1, WHOLE
     if gran is Granularity.ROWWISE:
-        return rows
+        return 1, 1, WHOLE
     if gran is Granularity.BLOCK_128X128:
-        return (rows // BLOCK) * math.ceil(cols / BLOCK) + (idx % cols) // BLOCK
+        return BLOCK, -(-shape[1] // BLOCK), BLOCK
     raise ValueError(f"weights are not quantized with {gran.value} groups")
 
 
-def accumulate_group_amax(amax: torch.Tensor, values: torch.Tensor, groups: torch.Tensor | None) -> None:
-    """amax[g] = max(amax[g], |values in group g|), in place."""
-    a = values.abs().float()
-    if groups is None:
-        torch.maximum(amax, a.amax().reshape(1), out=amax)
-    else:
-        amax.scatter_reduce_(0, groups, a, reduce="amax")
+def element_groups(flat_index: torch.Tensor, cols, row_div, per_band, col_div) -> torch.Tensor:
+    """The scaling group of each element from its flat (row-major) index; the shape constants are
+    ``group_divisors`` values, as ints or tensors broadcasting against ``flat_index``."""
+    rows = flat_index // cols
+    return (rows // row_div) * per_band + (flat_index - rows * cols) // col_div
 
 
-def cast_to_fp8(values: torch.Tensor, scale: torch.Tensor, groups: torch.Tensor | None,
-                fp8_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 bytes (uint8) of ``values`` with per-group quantization ``scale`` (flat, one per group)."""
-    per_element = scale.reshape(()) if groups is None else scale[groups]
-    return saturating_cast(values.float() * per_element, fp8_format(fp8_dtype)).view(torch.uint8)
-
-
-def scale_inv_for(scale: torch.Tensor, shape: tuple[int, int], gran: Granularity) -> torch.Tensor:
-    """The layer-facing dequantization scales in the granularity's shape."""
-    return reciprocal(scale).reshape(scale_shape(shape[0], shape[1], gran))
+def cast_to_fp8(values: torch.Tensor, per_element_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 bytes (uint8) of fp32 ``values`` times their quantization scale."""
+    return saturating_cast(values * per_element_scale, fp8_format(fp8_dtype)).view(torch.uint8)

@@ -1,0 +1,228 @@
+"""--fp8-param-gather's publication: the owned shards of every FP8 weight cast to FP8 bytes in a fixed number of tensor ops.
+
+Scaling groups ("slots") of all FP8 weights are numbered in one flat vector (weights in ``ddp.fp8_params``
+order, each its ``scale_shape`` row-major, then one dummy slot with scale 1 for padding). Tables built once:
+per storage 128-group of an FP8 fragment its storage group (int64, 0.0625 B per FP8 weight element), per
+fragment its weight's slot base and shape constants. Each slab of up to ``SLAB_GROUPS`` groups decodes its
+master values and computes every element's slot on the fly (int64 temporaries, freed per slab): one scatter
+gives the local group amaxes (a delayed weight observes its fragment's MAX, as the old per-chunk loop did),
+one batched MAX all-reduce over DP agrees on the current-scaling ones, one gather of scales and one cast
+give the bytes, one foreach copy writes them into the buckets' ``fp8_data``. The layers' ``scale_inv`` are
+views of one flat tensor, rewritten in place each publish. A delayed state that is still cold (the first
+step, or a load of an empty history) is observed one weight at a time: its host-side warm-up needs observe().
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megafp8.optim.fp8_param_cast import cast_to_fp8, element_groups, group_divisors, num_scale_groups
+from megafp8.optim.state_codec import GROUP
+from megafp8.parallel import collectives as C
+from megafp8_kernels import fp8_format, scale_from_amax, scale_shape
+
+SLAB_GROUPS = 1 << 15  # 2^22 elements a slab: bounds the per-element temporaries, not the op count's growth
+
+
+@dataclass
+class _Slab:
+    groups: torch.Tensor       # storage 128-groups of FP8 fragments, in storage order
+    dests: list[torch.Tensor]  # the fp8_data ranges their bytes fill, in the same order
+    sizes: list[int]
+
+
+@dataclass
+class _ScalePlan:
+    """Which weights take current scaling this step (changes only when a delayed state warms up)."""
+
+    current: list[int]                     # positions of current-scaled weights (and cold delayed ones)
+    current_slots: torch.Tensor | None     # their slots (None: every slot, in order)
+    combos: list[tuple[float, bool, torch.Tensor | None]]  # (fp8 max, power-of-2, mask over current slots)
+    delayed: list[int]                     # warm delayed weights: their state's scale
+    delayed_slots: torch.Tensor | None
+    delayed_owner: torch.Tensor | None     # per delayed slot, its weight's place in ``delayed``
+
+
+class Fp8Publication:
+    """Publishes the FP8 weights of ``opt.ddp.fp8_params`` (rebuilt by the optimizer when that set changes)."""
+
+    def __init__(self, opt) -> None:
+        ddp = opt.ddp
+        self.opt, self.params = opt, list(ddp.fp8_params)
+        self.key = publication_key(ddp.fp8_params)
+        device = opt.master_scale.device
+        position = {p: j for j, p in enumerate(self.params)}
+        sizes = [num_scale_groups(tuple(p.shape), ddp.fp8_params[p].recipe.granularity("weight")) for p in self.params]
+        bases = [sum(sizes[:j]) for j in range(len(sizes))]
+        self.num_slots = sum(sizes)
+        self.slot_sizes, self.slot_bases = sizes, bases
+        self.param_of_slot = torch.repeat_interleave(torch.arange(len(sizes) + 1, device=device),
+                                                     torch.tensor(sizes + [1], device=device))
+        self.dtypes = sorted({info.recipe.dtype("weight") for info in ddp.fp8_params.values()}, key=str)
+        # Per fragment (then a padding row): slot base, cols, row divisor, groups per band, col divisor, numel, dtype.
+        rows = [[self.num_slots, 1, 1, 1, 1, 0, 0] for _ in range(len(opt.fragments) + 1)]
+        fp8_frags = sorted((f for f in opt.fragments if f.param in position), key=lambda f: f.storage_lo)
+        for frag in fp8_frags:
+            p, info = frag.param, ddp.fp8_params[frag.param]
+            rows[frag.index] = [bases[position[p]], p.shape[1], *group_divisors(tuple(p.shape), info.recipe.granularity("weight")),
+                                p.numel(), self.dtypes.index(info.recipe.dtype("weight"))]
+        self.frag_table = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.lane = torch.arange(GROUP, device=device)
+        self.slabs = _make_slabs(fp8_frags, device)
+        # The layers' dequantization scales: views of one flat tensor, rewritten in place by every publish.
+        self.scale_inv = torch.zeros(self.num_slots, device=device)
+        for p, base, n in zip(self.params, bases, sizes):
+            info = ddp.fp8_params[p]
+            info.scale_inv = self.scale_inv[base:base + n].view(
+                scale_shape(p.shape[0], p.shape[1], info.recipe.granularity("weight")))
+        self._plans: dict[tuple[bool, ...], _ScalePlan] = {}
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        infos = self.ddp_infos()
+        quant = [infos[p].module.fp8_weight_quantization(infos[p].recipe) for p in self.params]
+        plan = self._plan(quant)
+        device = self.scale_inv.device
+        scale = torch.ones(self.num_slots + 1, device=device)
+        if plan.delayed:
+            delayed = torch.stack([quant[j].scale for j in plan.delayed]).view(-1)
+            scale.index_copy_(0, plan.delayed_slots, delayed[plan.delayed_owner])
+        amax = torch.zeros(self.num_slots + 1, device=device)
+        master_scale = torch.cat([self.opt.master_scale, self.opt.master_scale.new_ones(1)])
+        for slab in self.slabs:  # one pass when every scale is known before the cast
+            values, slots = self._decode(slab, master_scale)
+            amax.scatter_reduce_(0, slots.view(-1), values.abs().view(-1), "amax")
+            if not plan.current:
+                self._write(slab, values, slots, scale)
+        self._observe(quant, amax)
+        if plan.current:
+            self._current_scales(quant, plan, amax, scale)
+            for slab in self.slabs:
+                self._write(slab, *self._decode(slab, master_scale), scale)
+        torch.div(torch.ones_like(self.scale_inv), scale[:self.num_slots], out=self.scale_inv)  # IEEE 1 / scale
+
+    def ddp_infos(self):
+        return self.opt.ddp.fp8_params
+
+    def _plan(self, quant) -> _ScalePlan:
+        key = tuple(q.scale is None for q in quant)
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(quant)
+        return self._plans[key]
+
+    def _make_plan(self, quant) -> _ScalePlan:
+        device = self.scale_inv.device
+        current = [j for j, q in enumerate(quant) if q.scale is None]
+        delayed = [j for j, q in enumerate(quant) if q.scale is not None]
+
+        def slots_of(js):
+            return [s for j in js for s in range(self.slot_bases[j], self.slot_bases[j] + self.slot_sizes[j])]
+
+        cur_slots = slots_of(current)
+        combos, owner_of = [], {}
+        for j in current:
+            owner_of.setdefault((fp8_format(quant[j].fp8_dtype).max, quant[j].power_of_2_scale), []).append(j)
+        for k, ((fmax, pow2), js) in enumerate(owner_of.items()):
+            members = set(slots_of(js))
+            mask = None if k == 0 else torch.tensor([s in members for s in cur_slots], device=device)
+            combos.append((fmax, pow2, mask))
+        del_slots = slots_of(delayed)
+        owner = [k for k, j in enumerate(delayed) for _ in range(self.slot_sizes[j])]
+        return _ScalePlan(current, None if cur_slots == list(range(self.num_slots)) else
+                          torch.tensor(cur_slots, dtype=torch.int64, device=device), combos, delayed,
+                          torch.tensor(del_slots, dtype=torch.int64, device=device) if delayed else None,
+                          torch.tensor(owner, dtype=torch.int64, device=device) if delayed else None)
+
+    def _decode(self, slab: _Slab, master_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slab's master values (fp32, [groups, 128]) and each element's slot (padding: the dummy slot)."""
+        opt, g = self.opt, slab.groups
+        frag = opt._frag_of_group[g]
+        values = opt.master.values.view(-1, GROUP)[g].float()
+        if opt.master_weight_dtype == "fp16":
+            values = values / master_scale[frag][:, None]
+        flat_index = (g * GROUP + opt._index_offset[g])[:, None] + self.lane  # in the weight
+        base, cols, row_div, per_band, col_div, numel, _dtype = self.frag_table[frag][:, :, None].unbind(1)
+        slots = base + element_groups(flat_index, cols, row_div, per_band, col_div)
+        return values, torch.where(flat_index < numel, slots, self.num_slots)
+
+    def _write(self, slab: _Slab, values: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor) -> None:
+        per_element = scale[slots]
+        out = cast_to_fp8(values, per_element, self.dtypes[0])
+        if len(self.dtypes) > 1:  # weights in several FP8 formats: each element cast in its own
+            dtype_id = self.frag_table[self.opt._frag_of_group[slab.groups], 6][:, None]
+            for d, dtype in enumerate(self.dtypes[1:], 1):
+                out = torch.where(dtype_id == d, cast_to_fp8(values, per_element, dtype), out)
+        out = out.view(-1)
+        if len(slab.dests) == 1:
+            slab.dests[0].copy_(out)
+        else:
+            torch._foreach_copy_(slab.dests, list(out.split(slab.sizes)))
+
+    def _observe(self, quant, amax: torch.Tensor) -> None:
+        """Every delayed weight observes the MAX over its owned fragment (0 where it owns none: the amax
+        group's MAX gives the whole tensor's, and every rank must observe for the cold/warm switch)."""
+        states = [j for j, q in enumerate(quant) if q.state is not None]
+        if not states:
+            return
+        local = amax.new_zeros(len(self.params) + 1).scatter_reduce_(0, self.param_of_slot, amax, "amax")
+        warm = [j for j in states if quant[j].scale is not None]
+        if warm:
+            index = torch.tensor(warm, device=amax.device) if len(warm) < len(self.params) else None
+            torch._foreach_maximum_([quant[j].state.pending_amax for j in warm],
+                                    list((local[:-1] if index is None else local[index]).unbind()))
+        for j in states:
+            if quant[j].scale is None:  # cold: observe() also marks the state for its warm-up
+                quant[j].observe(local[j])
+
+    def _current_scales(self, quant, plan: _ScalePlan, amax: torch.Tensor, scale: torch.Tensor) -> None:
+        """Current scaling (or a cold delayed state): one MAX all-reduce over DP of the group amaxes."""
+        reduced = amax[:self.num_slots] if plan.current_slots is None else amax[plan.current_slots]
+        C.all_reduce(reduced, self.opt.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
+        infos, views = self.ddp_infos(), None
+        for k, j in enumerate(plan.current):
+            tp_sync = infos[self.params[j]].module.sharded_amax_sync() if quant[j].state is not None else None
+            if tp_sync is not None:  # a cold delayed weight: the whole tensor's scale, as the layer's own cast
+                views = views or reduced.split([self.slot_sizes[i] for i in plan.current])
+                tp_sync(views[k])
+        current = None
+        for fmax, pow2, mask in plan.combos:
+            s = scale_from_amax(reduced, fmax, pow2)
+            current = s if mask is None else torch.where(mask, s, current)
+        if plan.current_slots is None:
+            scale[:self.num_slots].copy_(current)
+        else:
+            scale.index_copy_(0, plan.current_slots, current)
+
+
+def publication_key(fp8_params) -> tuple[int, ...]:
+    """Which weights a publication was built for (ids: comparing Parameters would compare their values)."""
+    return tuple(map(id, fp8_params))
+
+
+def _make_slabs(fp8_frags, device) -> list[_Slab]:
+    """Runs of storage groups whose bytes are contiguous in one bucket's fp8_data, cut into slabs."""
+    runs = []  # [first storage group, groups, fp8_data, first byte]
+    for frag in fp8_frags:
+        g0, n = frag.storage_lo // GROUP, -(-frag.numel // GROUP)
+        data, pos = frag.bucket.fp8_data, frag.bucket_lo
+        last = runs[-1] if runs else None
+        if last and last[0] + last[1] == g0 and last[2] is data and last[3] + last[1] * GROUP == pos:
+            last[1] += n
+        else:
+            runs.append([g0, n, data, pos])
+    slabs, groups, dests, sizes = [], [], [], []
+    for g0, n, data, pos in runs:
+        while n:
+            take = min(n, SLAB_GROUPS - sum(sizes) // GROUP)
+            groups.append(torch.arange(g0, g0 + take))
+            dests.append(data[pos:pos + take * GROUP])
+            sizes.append(take * GROUP)
+            g0, n, pos = g0 + take, n - take, pos + take * GROUP
+            if sum(sizes) == SLAB_GROUPS * GROUP:
+                slabs.append(_Slab(torch.cat(groups).to(device), dests, sizes))
+                groups, dests, sizes = [], [], []
+    if sizes:
+        slabs.append(_Slab(torch.cat(groups).to(device), dests, sizes))
+    return slabs
