@@ -30,10 +30,11 @@ that crosses the TP group in a gather crosses it in FP8: a column-parallel layer
 quantized once and its FP8 bytes + scales are all-gathered in one collective; forward saves only this
 rank's shard of x^T (quantized from the high-precision shard with the scale groups of the full
 sequence, so it is bit-identical to the TP=1 copy) and backward re-gathers it while dgrad runs, then
-runs wgrad while dgrad's reduce-scatter is in flight. A row-parallel layer reduce-scatters its output
-and, in backward, quantizes its output-gradient shard once and all-gathers it for dgrad and wgrad.
-Without sequence parallelism a column-parallel layer all-reduces dgrad itself (`tp_input`), also
-overlapped with wgrad.
+runs wgrad while dgrad's reduce-scatter is in flight. A fused RMSNorm prologue casts the shard itself
+wherever every scale group of that cast lies in the shard (_fuses_sequence_shard: a warm delayed scale,
+1x128 groups with 128-aligned shards). A row-parallel layer reduce-scatters its output and, in backward,
+quantizes its output-gradient shard once and all-gathers it for dgrad and wgrad. Without sequence
+parallelism a column-parallel layer all-reduces dgrad itself (`tp_input`), also overlapped with wgrad.
 """
 from __future__ import annotations
 
@@ -148,18 +149,21 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
 def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], args: Fp8LinearArgs,
                           transpose: bool) -> tuple[Float8Tensor, tuple[torch.Tensor, ...]] | None:
     """prologue(x) quantized by one fused kernel (+ what the prologue's backward needs), or None where the input
-    quantization needs prologue(x) in high precision: under SP (the gathered shard's agreed scale and its transposed
-    copy), with the forced-overflow hook on (it reads it), or for a cold delayed state of a TP-sharded input
-    (whole-tensor amax). Telemetry stays fused: the kernel counts the cast's saturated/flushed elements itself."""
+    quantization needs prologue(x) in high precision: with the forced-overflow hook on (it reads it), for a cold
+    delayed state of a TP-sharded input (whole-tensor amax), and under SP where the shard's cast is not local
+    (_fuses_sequence_shard). Telemetry stays fused: the kernel counts the cast's saturated/flushed elements itself."""
     recipe, layer = args.recipe, args.layer
-    if args.sp_input is not None or layer.forced_overflow_factor is not None:
+    if layer.forced_overflow_factor is not None:
         return None
     state = layer.scaling_state("input", recipe)
     scale = delayed_scale(state)
+    gran = recipe.granularity("input")
+    x2d = x.reshape(-1, x.shape[-1])
+    if args.sp_input is not None and not _fuses_sequence_shard(x2d.shape[0], gran, scale, transpose):
+        return None
     if state is not None and scale is None and layer.sharded_amax_sync() is not None:
         return None
-    gran = recipe.granularity("input")
-    q, extras = args.prologue.quantize(x.reshape(-1, x.shape[-1]), *params, recipe.dtype("input"), gran,
+    q, extras = args.prologue.quantize(x2d, *params, recipe.dtype("input"), gran,
                                        power_of_2_scale=recipe.power_of_2_scale, scale=scale, transpose=transpose,
                                        stats=layer.telemetry_enabled)
     if state is not None and args.observe:
@@ -168,6 +172,21 @@ def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], arg
     if layer.telemetry_enabled:
         record_fp8_stats(layer, "input", fp8, q.counts, q.amax)
     return fp8, extras
+
+
+def _fuses_sequence_shard(rows: int, gran: Granularity, scale: torch.Tensor | None, transpose: bool) -> bool:
+    """Whether the fused kernel's cast of this rank's sequence shard is bit for bit what the unfused SP path
+    gathers (and, with `transpose`, keeps as its x^T shard), i.e. every scale group it uses lies in this shard:
+    tensorwise with a given scale (a warm delayed state: the same scale on every rank; its x^T shard is the local
+    bytes transposed); 1x128 when x^T is not needed or this rank's rows start and end on multiples of 128 (the
+    copy's 128-token groups are then this rank's own); rowwise only without x^T (a channel's scale spans every
+    rank's tokens). Current tensorwise scaling and cold delayed states need the amax over all ranks before the
+    cast: they keep the unfused path, as does rowwise/unaligned 1x128 with x^T."""
+    if gran is Granularity.TENSORWISE:
+        return scale is not None
+    if gran is Granularity.BLOCK_1X128:
+        return not transpose or rows % BLOCK == 0  # equal shards: rank * rows is then a multiple of 128 too
+    return not transpose
 
 
 def _cold_shard_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule) -> torch.Tensor | None:
@@ -236,6 +255,20 @@ def _local_transposed_shard(x2d: torch.Tensor, local: Float8Tensor, recipe: Fp8R
     return data_t, torch.ones_like(scale) / scale  # an IEEE reciprocal, as the quantizer's
 
 
+def _fused_transposed_shard(local: Float8Tensor, comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor]:
+    """_local_transposed_shard's result from a fused cast of the shard (see _fuses_sequence_shard): the bytes are
+    the kernel's own transposed copy; 1x128 scales are placed among the whole copy's and the group MAX-reduces
+    them (each group is one rank's, the others hold 0: the same collective as the unfused path's amax)."""
+    data_t, scale_t = local.col_major()
+    if local.granularity is Granularity.TENSORWISE:
+        return data_t, scale_t
+    groups = scale_t.shape[1]
+    full = scale_t.new_zeros(scale_t.shape[0], groups * comm.size)
+    full[:, comm.rank * groups:(comm.rank + 1) * groups] = scale_t
+    comm.sync_amax(full)
+    return data_t, full
+
+
 def _with_transposed_copy(full: Float8Tensor, power_of_2_scale: bool) -> Float8Tensor:
     """Add the transposed copy of a gathered tensor. Tensorwise: the same bytes, moved. Row/1x128 groups of
     the transposed copy span every rank's rows: re-quantize the gathered FP8 values straight into the
@@ -290,7 +323,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if prologue is not None and fused is None:
             x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
         x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
-        if fused is not None:
+        if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel
+            local, extras = fused
+            pending = args.sp_input.gather_rows_async(local)
+            x_t = _fused_transposed_shard(local, args.sp_input) if needs_wgrad else None
+            x_fp8 = pending.wait()
+        elif fused is not None:
             x_fp8, extras = fused
             x_t = x_fp8.col_major() if needs_wgrad else None
         elif args.sp_input is not None:
