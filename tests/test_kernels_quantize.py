@@ -31,7 +31,7 @@ def _assert_same(result, expected):
         if got is not None:
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert torch.equal(fp8_bits(got.cpu()), fp8_bits(want)), f"{name}: FP8 bytes differ"
-    for name in ("scale_inv", "amax", "scale_inv_t"):
+    for name in ("scale_inv", "amax", "scale_inv_t", "counts"):
         got, want = getattr(result, name), getattr(expected, name)
         if want is None:
             continue
@@ -76,6 +76,64 @@ def test_input_dtypes_bf16_fp16(gran):
     for dtype in (torch.bfloat16, torch.float16):
         x = _input((70, 140), seed=3).clamp(-6e4, 6e4).to(dtype)
         _assert_same(_triton(x, E4M3, gran, transpose=True), quantize_reference(x, E4M3.dtype, gran, transpose=True))
+
+
+# ---- multi-tile programs: each covers TILES_PER_PROGRAM consecutive K tiles, SLAB rows at a time ----
+
+# Odd against every launch parameter: rows not a multiple of a slab or a tile (1, 130, 300, 513), K tiles not a
+# multiple of TILES_PER_PROGRAM (643: 6 tiles, programs of 4 + 2), a single element.
+MULTI_TILE_SHAPES = [(1, 1), (130, 257), (300, 70), (513, 129), (37, 643)]
+KINDS = GRANULARITIES + ["given"]  # "given": tensorwise with a given (delayed) scale
+
+
+def _multi_tile_input(shape, seed, dtype):
+    x = _input(shape, seed).to(dtype)
+    rows, cols = shape
+    # Planted after the cast: torch's vectorized fp32 -> bf16 turns NaN into a negative NaN, whose sign after
+    # NaN * NaN (a poisoned group's scale) depends on the operand order; the scalar store writes +NaN.
+    if rows == 513:  # NaN in the last program's last slab, inf in another group: the NaN wins the tensor amax
+        x[512, 128] = float("nan")
+        x[3, 5] = float("inf")
+    if cols == 643:
+        x[36, 600] = -float("inf")  # in the second program along K
+    return x
+
+
+def _check_kind(kind, x, fmt, transpose, stats):
+    kwargs = dict(transpose=transpose, stats=stats)
+    gran = "tensorwise" if kind == "given" else kind
+    if kind == "given":
+        kwargs["scale"] = torch.tensor(fmt.max / 50.0)  # stale: the outliers saturate
+    expected = quantize_reference(x, fmt.dtype, gran, **kwargs)
+    if "scale" in kwargs:
+        kwargs["scale"] = kwargs["scale"].to(DEVICE)
+    _assert_same(_triton(x, fmt, gran, **kwargs), expected)
+    return expected
+
+
+@pytest.mark.parametrize("kind,transpose,stats", list(itertools.product(KINDS, [False, True], [False, True])),
+                         ids=lambda v: getattr(v, "value", None) or str(v))
+def test_multi_tile_programs_equal_reference_bit_for_bit(kind, transpose, stats):
+    """data, data_t, scale_inv(_t), amax and counts equal the twin's, fp32 and bf16 inputs, E4M3 and E5M2."""
+    for i, shape in enumerate(MULTI_TILE_SHAPES):
+        for dtype, fmt in ((torch.float32, E4M3), (torch.bfloat16, E5M2)):
+            expected = _check_kind(kind, _multi_tile_input(shape, i, dtype), fmt, transpose, stats)
+            if shape == (513, 129) and kind in ("tensorwise", "given"):
+                assert torch.isnan(expected.amax), "the planted NaN must win the tensor amax"
+
+
+@pytest.mark.parametrize("tiles,slab,slab_t", [(1, 128, 128), (3, 64, 32)])
+def test_bits_do_not_depend_on_the_launch_parameters(monkeypatch, tiles, slab, slab_t):
+    """One tile per program held whole (the pre-multi-tile launch), and 3 tiles per program in 64/32-row slabs,
+    give the twin's bits too: the program split and the slab loop change only the order of exact reductions."""
+    from megafp8_kernels import quantize_triton as Q
+
+    monkeypatch.setattr(Q, "TILES_PER_PROGRAM", tiles)
+    monkeypatch.setattr(Q, "SLAB", slab)
+    monkeypatch.setattr(Q, "SLAB_TRANSPOSED", slab_t)
+    for kind in KINDS:
+        for transpose in (False, True):
+            _check_kind(kind, _multi_tile_input((130, 643), 1, torch.float32), E4M3, transpose, stats=True)
 
 
 # ---- the reference twin against the format itself (independent of both implementations) ----
