@@ -43,6 +43,17 @@ def test_every_audited_kernel_compiles_for_sm90a_without_spills(audit_rows):
     assert "| fp8_gemm | 128x128x128 w8 s3 (default) |" in result.stdout  # the table docs/kernels.md shows
 
 
+def test_every_quantize_variant_is_audited_at_4_warps(audit_rows):
+    """Each granularity and the given scale, with/without the transposed copy and stats, has its cast compiled
+    (4-warp multi-tile programs, spill-free per the test above); the amax kernels of tensorwise and rowwise too."""
+    _, report = audit_rows
+    casts = {r["case"]: r for r in report["rows"] if r["kernel"] == "_cast_tile_kernel"}
+    assert set(casts) == {case for case, _ in kernel_audit.quantize_cases()}
+    assert all(r["config"].startswith("w4 ") for r in casts.values()), casts
+    amax_cases = {r["case"] for r in report["rows"] if r["kernel"] == "_tile_amax_kernel"}
+    assert amax_cases == {"tensorwise", "rowwise", "rowwise transpose"}
+
+
 def test_gemm_uses_hopper_tensor_cores_and_tma(audit_rows):
     _, report = audit_rows
     gemm = [r for r in report["rows"] if r["kernel"] == "fp8_gemm"]

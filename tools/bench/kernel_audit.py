@@ -205,7 +205,6 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
     import torch
 
     from megafp8_kernels import gemm as G
-    from megafp8_kernels import quantize_triton as Q
     try:  # Gluon's Hopper API moves between Triton releases: without it, its rows fail and the rest still run
         from megafp8_kernels.gemm_hopper import HOPPER_GEMM_KERNEL_NAME as GLUON_GEMM_KERNEL_NAME
     except ImportError as err:
@@ -246,26 +245,48 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
 
     if shard[0] != 0:  # the quantize kernels go with the first shard
         return rows, failures
-    x = torch.randn(256, 384).to(torch.bfloat16)
-    with CompileRecorder() as rec:
-        for gran in ("tensorwise", "rowwise", "block_1x128", "block_128x128"):
-            # stats: the telemetry counts' atomics; with the transposed copy, the most registers of a cast
-            for transpose, stats in ((False, False), (True, False), (True, True)):
-                Q.quantize_triton(x, torch.float8_e4m3fn, gran, transpose=transpose, stats=stats)
-        for stats in (False, True):
-            Q.quantize_triton(x, torch.float8_e4m3fn, "tensorwise", scale=torch.ones(()), transpose=True, stats=stats)
-    seen = set()
-    for fn_name, kernel in rec.kernels:
-        key = (fn_name, kernel.hash)
-        if key in seen:
-            continue
-        seen.add(key)
-        row = {"kernel": fn_name, "config": f"w{kernel.metadata.num_warps}", "case": f"variant {len(seen)}",
-               "offered": True, **_describe(kernel, ptxas)}
-        rows.append(row)
-        if row.get("spill_store_bytes") or row.get("spill_load_bytes"):
-            failures.append(f"{fn_name} {row['case']}: spills")
+    rows += quantize_rows(ptxas, failures)
     return rows, failures
+
+
+def quantize_cases():
+    """(case label, quantize_triton kwargs) of every quantize specialization: each granularity, and the given
+    (delayed) scale, with and without the transposed copy and the stats counts."""
+    import torch
+
+    for gran in ("tensorwise", "rowwise", "block_1x128", "block_128x128", "given scale"):
+        for transpose in (False, True):
+            for stats in (False, True):
+                kwargs = dict(granularity_=gran, transpose=transpose, stats=stats)
+                if gran == "given scale":
+                    kwargs.update(granularity_="tensorwise", scale=torch.ones(()))
+                yield f"{gran}{' transpose' if transpose else ''}{' stats' if stats else ''}", kwargs
+
+
+def quantize_rows(ptxas: str | None, failures: list[str]) -> list[dict]:
+    """One row per distinct compiled quantize kernel (the amax kernel is shared by several casts: it is
+    listed under the first), labelled with its launch: warps, tiles per program, rows held at once."""
+    import torch
+
+    from megafp8_kernels import quantize_triton as Q
+
+    x = torch.randn(256, 384).to(torch.bfloat16)
+    rows, seen = [], set()
+    for case, kwargs in quantize_cases():
+        with CompileRecorder() as rec:
+            Q.quantize_triton(x, torch.float8_e4m3fn, **kwargs)
+        for fn_name, kernel in rec.kernels:
+            if (fn_name, kernel.hash) in seen:
+                continue
+            seen.add((fn_name, kernel.hash))
+            held = Q.SLAB_TRANSPOSED if kwargs["transpose"] else Q.SLAB
+            held = f"{held}x{Q.TILE} slabs" if fn_name == "_cast_tile_kernel" else f"{Q.TILE}x{Q.TILE} tiles"
+            row = {"kernel": fn_name, "config": f"w{kernel.metadata.num_warps} {Q.TILES_PER_PROGRAM} tiles/program "
+                   f"{held}", "case": case, "offered": True, **_describe(kernel, ptxas)}
+            rows.append(row)
+            if row.get("spill_store_bytes") or row.get("spill_load_bytes"):
+                failures.append(f"{fn_name} {case}: spills")
+    return rows
 
 
 def _describe(kernel, ptxas: str | None) -> dict:
