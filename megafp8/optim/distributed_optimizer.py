@@ -9,8 +9,8 @@ rank owns, addressed in the parameter's own flat index (``param_lo``/``param_hi`
 store) and in this rank's flat optimizer storage (``storage_lo``). Without the distributed optimizer
 every rank owns every bucket whole (plain DDP with the same update code).
 
-The step takes each bucket's shard whole, in a fixed number of tensor ops whatever the model size (no
-loop over parameters or chunks): decode master, m and v, update in fp32, encode, with the per-parameter
+The step takes the storage in slabs of up to ``STEP_SLAB`` elements (across bucket boundaries), in a fixed
+number of tensor ops per slab whatever the number of parameters or buckets: decode master, m and v, update in fp32, encode, with the per-parameter
 constants (weight decay, fp16 scale, rounding key, grad-norm weight) broadcast from per-128-group tables
 built once (a parameter's fragment starts on a group boundary, so each group belongs to one parameter).
 The global grad norm and the non-finite check stay on the device: a non-finite step keeps every stored
@@ -40,6 +40,7 @@ from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tens
 from megafp8.parallel.sharding import is_tensor_model_parallel
 
 MASTER_DTYPES = ("fp32", "fp16")
+STEP_SLAB = 1 << 22  # storage elements the step takes at once: bounds its temporaries, whatever the bucket sizes
 FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
 
 
@@ -59,6 +60,20 @@ class Fragment:
     @property
     def numel(self) -> int:
         return self.param_hi - self.param_lo
+
+
+@dataclass(eq=False)
+class StorageSlab:
+    """Storage ``[start, start + n)``: the pieces ``[lo, hi)`` of bucket shards it covers, in storage order."""
+
+    start: int
+    n: int
+    pieces: list[tuple[Bucket, int, int]]
+    grads: list[torch.Tensor]  # the pieces' grad_data views, built once (the grad buffers live as long as the run)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [hi - lo for _b, lo, hi in self.pieces]
 
 
 @dataclass
@@ -172,6 +187,8 @@ class DistributedOptimizer:
             if hi > lo:
                 self._shards.append((bucket, lo, hi, storage))
             storage += hi - lo
+        self._slabs = _storage_slabs(self._shards, STEP_SLAB)
+        self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
 
     @property
     def step_count(self) -> int:
@@ -255,8 +272,9 @@ class DistributedOptimizer:
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
 
-    def _shard_grads(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        return bucket.grad_data[lo:hi].float()
+    @staticmethod
+    def _slab_grads(slab: StorageSlab) -> torch.Tensor:
+        return (slab.grads[0] if len(slab.grads) == 1 else torch.cat(slab.grads)).float()
 
     @staticmethod
     def _groups(start: int, n: int) -> slice:
@@ -267,11 +285,11 @@ class DistributedOptimizer:
         """Sum of squared grads over the whole model, each element once: TP-replicated parameters count
         on TP rank 0, a pipeline copy of a tied embedding (``shared_embedding``) not at all, DP shards are
         disjoint (plain DDP: replicas are identical, so each counts 1/DP). NaN/inf anywhere -> non-finite.
-        One pass per bucket (fp64 sums per 128-group, then a masked sum), one all-reduce, no host sync."""
+        One pass per slab (fp64 sums per 128-group, then a masked sum), one all-reduce, no host sync."""
         total = torch.zeros((), dtype=torch.float64, device=self.master_scale.device)
-        for bucket, lo, hi, start in self._shards:
-            squares = self._shard_grads(bucket, lo, hi).double().square().view(-1, GROUP).sum(dim=1)
-            total += torch.where(self._group_counted[self._groups(start, hi - lo)], squares, 0.0).sum()
+        for slab in self._slabs:
+            squares = self._slab_grads(slab).double().square().view(-1, GROUP).sum(dim=1)
+            total += torch.where(self._group_counted[self._groups(slab.start, slab.n)], squares, 0.0).sum()
         if not self.ddp.distributed:
             total /= self.dp.size
         return C.all_reduce(total, self.world, "dp_grad_reduce")
@@ -300,9 +318,10 @@ class DistributedOptimizer:
             scale_of_group = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group]
             keys = rounding_keys(self.rounding_seed, step, self._rounding_salts)[self._frag_of_group]
             frag_amax = self.master_scale.new_zeros(len(self.fragments) + 1)
-        for bucket, lo, hi, start in self._shards:
-            n, groups = hi - lo, self._groups(start, hi - lo)
-            g = self._shard_grads(bucket, lo, hi)
+        for slab in self._slabs:
+            start, n = slab.start, slab.n
+            groups = self._groups(start, n)
+            g = self._slab_grads(slab)
             if clip is not None:
                 g = g * clip
             p = self.master.decode(start, start + n).view(-1, GROUP)
@@ -315,18 +334,23 @@ class DistributedOptimizer:
             p = p.reshape(-1)
             m = torch.lerp(m, g, 1 - beta1)
             v = (v * beta2).addcmul_(g, g, value=1 - beta2)
+            del g  # every temporary goes as soon as it is used: the step's peak is a few slab-sized tensors
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
             p = p + m.mul(step_size).div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
+            del denom
             if fp16:
                 codes = p.view(-1, GROUP) * scale_of_group[groups, None]
                 index = torch.arange(start, start + n, device=p.device).view(-1, GROUP) + self._index_offset[groups, None]
                 uniform = counter_uniform_at(keys[groups, None], index)
+                del index
                 self.master.encode(start, start + n, stochastic_round_to_fp16(codes, uniform).view(-1), keep=finite)
+                del codes, uniform
                 frag_amax.scatter_reduce_(0, self._frag_of_group[groups], p.abs().view(-1, GROUP).amax(dim=1), "amax")
             else:
                 self.master.encode(start, start + n, p, keep=finite)
             self.exp_avg.encode(start, start + n, m, keep=finite)
             self.exp_avg_sq.encode(start, start + n, v, keep=finite)
+            del p, m, v  # before the next slab's (or the publication's) temporaries exist
         if fp16 and self.fragments:
             self._rescale_fp16_master(frag_amax[:-1], finite)
         self._step += finite
@@ -358,9 +382,16 @@ class DistributedOptimizer:
         invalidate_fp8_weight_caches(self.ddp.module)
         self.ddp.take_guard_switches()
         whole = self._whole_shard_buckets()
-        for bucket, lo, hi, start in self._shards:
-            if bucket in whole:  # one copy per bucket shard (its padding holds zeros in both)
-                bucket.param_data[lo:hi].copy_(self._decode_storage(start, hi - lo))
+        for slab, views in zip(self._slabs, self._slab_param_views()):
+            picks = [k for k, (bucket, _lo, _hi) in enumerate(slab.pieces) if bucket in whole]
+            if not picks:
+                continue
+            values = self._decode_storage(slab.start, slab.n)  # one decode per slab (padding holds zeros in both)
+            if len(slab.pieces) == 1:
+                views[0].copy_(values)
+            else:
+                parts = values.split(slab.sizes)
+                torch._foreach_copy_([views[k] for k in picks], [parts[k] for k in picks])
         for frag in self.fragments:
             if frag.param not in self.ddp.fp8_params and frag.bucket not in whole:
                 self._write_high_precision(frag)
@@ -374,6 +405,16 @@ class DistributedOptimizer:
         """Buckets whose owned shard is written to ``param_data`` as is: high-precision weights only."""
         special = set(self.ddp.fp8_params) | set(self.ddp.switched_weights)
         return {b for b, *_ in self._shards if b.param_data is not None and not any(p in special for p in b.params)}
+
+    def _slab_param_views(self) -> list[list[torch.Tensor | None]]:
+        """Per slab piece, its bucket's param_data view (None once released), built again only when a bucket's
+        param_data changed (the FP8 buckets' release): views made per step would cost ops per bucket."""
+        key = tuple(id(b.param_data) for b in self.ddp.buckets)
+        if self._param_views is None or self._param_views[0] != key:
+            views = [[None if b.param_data is None else b.param_data[lo:hi] for b, lo, hi in slab.pieces]
+                     for slab in self._slabs]
+            self._param_views = (key, views)
+        return self._param_views[1]
 
     def _decode_storage(self, start: int, n: int) -> torch.Tensor:
         """The master values of storage ``[start, start + n)`` (group-aligned), in fp32."""
@@ -454,6 +495,22 @@ class DistributedOptimizer:
                 raise ValueError(f"optimizer checkpoint covers {covered} of the {frag.numel} elements of {frag.name} "
                                  f"[{frag.param_lo}, {frag.param_hi}) this rank owns: pass every DP rank's state dict")
         self._publish()
+
+
+def _storage_slabs(shards: list[tuple[Bucket, int, int, int]], size: int) -> list[StorageSlab]:
+    """The storage (bucket shards, consecutive) cut into slabs of ``size`` elements (a multiple of GROUP)."""
+    slabs, pieces, start, filled = [], [], 0, 0
+    for bucket, lo, hi, _storage in shards:
+        while lo < hi:
+            take = min(hi - lo, size - filled)
+            pieces.append((bucket, lo, lo + take))
+            lo, filled = lo + take, filled + take
+            if filled == size:
+                slabs.append(StorageSlab(start, filled, pieces, [b.grad_data[a:z] for b, a, z in pieces]))
+                start, pieces, filled = start + filled, [], 0
+    if pieces:
+        slabs.append(StorageSlab(start, filled, pieces, [b.grad_data[a:z] for b, a, z in pieces]))
+    return slabs
 
 
 def _slice_storage(t: torch.Tensor, numel: int, start: int, n: int, per_group: bool | None = None) -> torch.Tensor:

@@ -16,7 +16,6 @@ import math
 import torch
 
 from megafp8_kernels import Granularity, fp8_format, scale_shape
-from megafp8_kernels.quantize_reference import saturating_cast
 
 BLOCK = 128
 WHOLE = 1 << 62  # a divisor no flat index reaches: the quotient is 0 (one group along that dimension)
@@ -39,12 +38,16 @@ def group_divisors(shape: tuple[int, int], gran: Granularity) -> tuple[int, int,
 
 
 def element_groups(flat_index: torch.Tensor, cols, row_div, per_band, col_div) -> torch.Tensor:
-    """The scaling group of each element from its flat (row-major) index; the shape constants are
-    ``group_divisors`` values, as ints or tensors broadcasting against ``flat_index``."""
-    rows = flat_index // cols
-    return (rows // row_div) * per_band + (flat_index - rows * cols) // col_div
+    """The scaling group of each element from its flat (row-major) index, which it overwrites (in place: the
+    publication's slabs are large); the shape constants are ``group_divisors`` values broadcasting against it."""
+    rows = torch.div(flat_index, cols, rounding_mode="floor")
+    col = flat_index.remainder_(cols)
+    return rows.div_(row_div, rounding_mode="floor").mul_(per_band).add_(col.div_(col_div, rounding_mode="floor"))
 
 
 def cast_to_fp8(values: torch.Tensor, per_element_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 bytes (uint8) of fp32 ``values`` times their quantization scale."""
-    return saturating_cast(values * per_element_scale, fp8_format(fp8_dtype)).view(torch.uint8)
+    """FP8 bytes (uint8) of fp32 ``values`` (overwritten) times their quantization scale: megafp8_kernels'
+    ``saturating_cast`` rule (inf -> NaN, saturate, round to nearest even), in place."""
+    fmt = fp8_format(fp8_dtype)
+    y = values.mul_(per_element_scale)
+    return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)

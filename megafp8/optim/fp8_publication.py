@@ -96,6 +96,7 @@ class Fp8Publication:
             amax.scatter_reduce_(0, slots.view(-1), values.abs().view(-1), "amax")
             if not plan.current:
                 self._write(slab, values, slots, scale)
+            del values, slots  # before the next slab's
         self._observe(quant, amax)
         if plan.current:
             self._current_scales(quant, plan, amax, scale)
@@ -144,16 +145,21 @@ class Fp8Publication:
             values = values / master_scale[frag][:, None]
         flat_index = (g * GROUP + opt._index_offset[g])[:, None] + self.lane  # in the weight
         base, cols, row_div, per_band, col_div, numel, _dtype = self.frag_table[frag][:, :, None].unbind(1)
-        slots = base + element_groups(flat_index, cols, row_div, per_band, col_div)
-        return values, torch.where(flat_index < numel, slots, self.num_slots)
+        padding = flat_index >= numel
+        slots = element_groups(flat_index, cols, row_div, per_band, col_div).add_(base)
+        return values, slots.masked_fill_(padding, self.num_slots)
 
     def _write(self, slab: _Slab, values: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor) -> None:
+        """The slab's FP8 bytes into fp8_data (``values`` is consumed)."""
         per_element = scale[slots]
-        out = cast_to_fp8(values, per_element, self.dtypes[0])
-        if len(self.dtypes) > 1:  # weights in several FP8 formats: each element cast in its own
+        del slots
+        if len(self.dtypes) == 1:
+            out = cast_to_fp8(values, per_element, self.dtypes[0])
+        else:  # weights in several FP8 formats: each element cast in its own
             dtype_id = self.frag_table[self.opt._frag_of_group[slab.groups], 6][:, None]
+            out = cast_to_fp8(values.clone(), per_element, self.dtypes[0])
             for d, dtype in enumerate(self.dtypes[1:], 1):
-                out = torch.where(dtype_id == d, cast_to_fp8(values, per_element, dtype), out)
+                out = torch.where(dtype_id == d, cast_to_fp8(values.clone(), per_element, dtype), out)
         out = out.view(-1)
         if len(slab.dests) == 1:
             slab.dests[0].copy_(out)
