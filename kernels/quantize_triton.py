@@ -40,10 +40,11 @@ TILE = BLOCK
 TILES_PER_PROGRAM = 4  # consecutive K tiles per program: its amax/stats atomics happen once for all of them
 # Rows of a tile a cast program holds at once: 32x128 over 4 warps is 32 values per thread. A transposing cast
 # holds 16: the shared-memory shuffle of the transpose keeps ~40 addresses live across the slab loop, and at 32
-# rows its heaviest variants reach 168-216 registers, some spilling (sm_90a audit, tools/bench/kernel_audit.py).
+# rows its variants took 111-216 registers and the given-scale one with stats spilled (sm_90a audit,
+# tools/bench/kernel_audit.py); at 16 every variant stays at or below 128 (4 programs per SM).
 SLAB = 32
 SLAB_TRANSPOSED = 16
-CAST_WARPS = 4
+WARPS = 4
 _FLOAT32_MAX = tl.constexpr(FLOAT32_MAX)
 _MODE = {  # constexpr codes for the cast kernel
     Granularity.TENSORWISE: 0,
@@ -335,18 +336,19 @@ def quantize_triton(
     col_amax = dummy
     if scale is not None:
         mode = _GIVEN_SCALE
-        amax = torch.zeros((), **f32)  # the cast MAXes every tile's amax into it
+        amax = torch.zeros((), **f32)  # the cast MAXes every program's amax into it
     elif gran is Granularity.TENSORWISE:
         mode = _MODE[gran]
         amax = torch.zeros((), **f32)
         _tile_amax_kernel[grid](x, amax.view(torch.int32), dummy, M, K, ROWS=False, COLS=False, BM=TILE, BK=TILE,
-                                TILES_PER_PROGRAM=TILES_PER_PROGRAM, num_warps=4)
+                                TILES_PER_PROGRAM=TILES_PER_PROGRAM, num_warps=WARPS)
     elif gran is Granularity.ROWWISE:
         mode = _MODE[gran]
         amax = torch.zeros((M, 1), **f32)
         col_amax = torch.zeros(K, **f32) if transpose else dummy
         _tile_amax_kernel[grid](x, amax.view(torch.int32), col_amax.view(torch.int32), M, K, ROWS=True,
-                                COLS=transpose, BM=TILE, BK=TILE, TILES_PER_PROGRAM=TILES_PER_PROGRAM, num_warps=4)
+                                COLS=transpose, BM=TILE, BK=TILE, TILES_PER_PROGRAM=TILES_PER_PROGRAM,
+                                num_warps=WARPS)
     else:
         mode = _MODE[gran]
         amax = empty_scales(M, K, gran, dev)
@@ -358,7 +360,8 @@ def quantize_triton(
         M, K, MODE=mode, TRANSPOSE=transpose, POW2=power_of_2_scale, STATS=stats,
         FP8_DTYPE=triton_fp8_dtype(fp8_dtype), FP8_MAX=fmt.max, MBITS=fmt.mantissa_bits,
         EMIN=fmt.min_normal_exponent, SATURATION=fmt.saturation_threshold, SOFTWARE_ROUNDING=_interpreting(),
-        BM=TILE, BK=TILE, SLAB=SLAB_TRANSPOSED if transpose else SLAB, TILES_PER_PROGRAM=TILES_PER_PROGRAM, num_warps=CAST_WARPS,
+        BM=TILE, BK=TILE, SLAB=SLAB_TRANSPOSED if transpose else SLAB, TILES_PER_PROGRAM=TILES_PER_PROGRAM,
+        num_warps=WARPS,
     )
     if transpose and scale_inv_t is None:
         scale_inv_t = scale_inv.t().clone(memory_format=torch.contiguous_format)  # never an alias of scale_inv
