@@ -338,19 +338,20 @@ class DistributedOptimizer:
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
             p = p + m.mul(step_size).div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
             del denom
+            self.exp_avg.encode(start, start + n, m, keep=finite)
+            self.exp_avg_sq.encode(start, start + n, v, keep=finite)
+            del m, v  # before the rounding's hash temporaries
             if fp16:
-                codes = p.view(-1, GROUP) * scale_of_group[groups, None]
                 index = torch.arange(start, start + n, device=p.device).view(-1, GROUP) + self._index_offset[groups, None]
                 uniform = counter_uniform_at(keys[groups, None], index)
                 del index
+                codes = p.view(-1, GROUP) * scale_of_group[groups, None]
                 self.master.encode(start, start + n, stochastic_round_to_fp16(codes, uniform).view(-1), keep=finite)
                 del codes, uniform
                 frag_amax.scatter_reduce_(0, self._frag_of_group[groups], p.abs().view(-1, GROUP).amax(dim=1), "amax")
             else:
                 self.master.encode(start, start + n, p, keep=finite)
-            self.exp_avg.encode(start, start + n, m, keep=finite)
-            self.exp_avg_sq.encode(start, start + n, v, keep=finite)
-            del p, m, v  # before the next slab's (or the publication's) temporaries exist
+            del p  # before the next slab's (or the publication's) temporaries exist
         if fp16 and self.fragments:
             self._rescale_fp16_master(frag_amax[:-1], finite)
         self._step += finite
