@@ -38,7 +38,8 @@ def test_gpu_check_arguments_and_dry_run_without_gpu():
     result = _run("bash", str(GPU_CHECK), "--dry-run")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split(" ")[0] for line in lines] == ["precompile", "tests", "gemm", "wgrad", "gluon", "train"]
+    assert [line.split(" ")[0] for line in lines] == ["precompile", "tests", "gemm", "wgrad", "gluon", "casts",
+                                                        "train"]
     budgets = [int(line.split("(")[1].split(" s)")[0]) for line in lines]
     assert sum(budgets) <= 360  # the six-minute budget
     train = lines[-1]
@@ -50,6 +51,20 @@ def test_gpu_check_arguments_and_dry_run_without_gpu():
     assert bad.returncode == 2 and "unknown step 'bogus'" in bad.stderr
     missing = _run("bash", str(GPU_CHECK), "--steps")
     assert missing.returncode == 2 and "--steps needs a value" in missing.stderr
+
+
+def test_bench_gemm_launch_and_table_arguments():
+    bad = _run(sys.executable, "tools/bench/bench_gemm.py", "--quantize-only", "--quantize-launch", "3,32,16,4")
+    assert bad.returncode == 2 and "'3,32,16,4': expected TILES,SLAB,SLAB_TRANSPOSED,WARPS" in bad.stderr
+    both = _run(sys.executable, "tools/bench/bench_gemm.py", "--gemm-only", "--quantize-only")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    cpu = _run(sys.executable, "tools/bench/bench_gemm.py", "--quick", "--quantize-only", "--quantize-launch", "1,32,16,4")
+    assert cpu.returncode == 2 and "it needs a CUDA GPU" in cpu.stderr
+    quantize = _run(sys.executable, "tools/bench/bench_gemm.py", "--quick", "--quantize-only")
+    assert quantize.returncode == 0, quantize.stderr
+    assert "| quantize tensorwise |" in quantize.stdout and "torch.matmul" not in quantize.stdout
+    gemm = _run(sys.executable, "tools/bench/bench_gemm.py", "--quick", "--gemm-only")
+    assert gemm.returncode == 0 and "torch.matmul" in gemm.stdout and "quantize tensorwise" not in gemm.stdout
 
 
 def test_bench_train_only_takes_exact_names():

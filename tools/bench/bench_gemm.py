@@ -9,6 +9,10 @@ CPU smoke run (reference path, small sizes; exercises the script in CI, its numb
     python tools/bench/bench_gemm.py --quick
 wgrad only (Triton's accumulate into the fp32 main_grad vs torch._scaled_mm then main_grad.add_):
     python tools/bench/bench_gemm.py --wgrad [--quick]
+The quantize table under another launch of the cast kernels (TILES_PER_PROGRAM, SLAB, SLAB_TRANSPOSED, WARPS of
+kernels/quantize_triton.py, default 4,32,16,4; 1,32,16,4: one K tile per program, 4x the programs; every
+4-warp launch with these slabs compiles without spills for sm_90a, larger slabs or 8 warps may spill):
+    python tools/bench/bench_gemm.py --quantize-only --quantize-launch 1,32,16,4
 
 Times are medians of repeated runs after warm-up (CUDA events via triton.testing.do_bench on GPU).
 GB/s counts the fewest bytes an op must move: each input read once, each output written once.
@@ -170,11 +174,29 @@ def _quantize_cases(M: int, K: int, device: str, fp8_backend: str):
     return cases
 
 
+def quantize_launch(text: str) -> dict[str, int]:
+    """--quantize-launch TILES,SLAB,SLAB_TRANSPOSED,WARPS -> the quantize_triton constants it sets."""
+    names = ("TILES_PER_PROGRAM", "SLAB", "SLAB_TRANSPOSED", "WARPS")
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(names) or any(v <= 0 or v & (v - 1) for v in values) or values[1] > 128 or values[2] > 128:
+        raise argparse.ArgumentTypeError(f"'{text}': expected TILES,SLAB,SLAB_TRANSPOSED,WARPS, four powers of two "
+                                         "with both slabs <= 128 (e.g. 1,32,16,4)")
+    return dict(zip(names, values))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU smoke run on small sizes (reference kernels)")
     parser.add_argument("--wgrad", action="store_true",
                         help="only wgrad: Triton accumulate into fp32 main_grad vs torch._scaled_mm + add_")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--gemm-only", action="store_true", help="skip the quantize table")
+    only.add_argument("--quantize-only", action="store_true", help="skip the GEMM table")
+    parser.add_argument("--quantize-launch", type=quantize_launch, metavar="TILES,SLAB,SLAB_T,WARPS",
+                        help="time the casts under this launch of kernels/quantize_triton.py (GPU only)")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
 
@@ -183,6 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(s, s, s) for s in GPU_SQUARE] + GPU_LLAMA8B if device == "cuda" else CPU_QUICK
     hw = torch.cuda.get_device_name() if device == "cuda" else f"CPU {platform.processor() or platform.machine()}"
     print(f"# device: {hw} | torch {torch.__version__} | fp8 kernels: {fp8_backend}")
+    launch = ""
+    if args.quantize_launch:
+        if fp8_backend != "triton":
+            parser.error("--quantize-launch sets the Triton casts' launch: it needs a CUDA GPU")
+        from megafp8_kernels import quantize_triton
+
+        for name, value in args.quantize_launch.items():
+            setattr(quantize_triton, name, value)  # read by quantize_triton() at each launch
+        launch = " [launch " + ",".join(str(v) for v in args.quantize_launch.values()) + "]"
+        print(f"# cast launch: {args.quantize_launch}")
     rows = []
     if args.wgrad:
         print("\n| M | N | K | wgrad into fp32 main_grad | ms | TFLOP/s |\n|---|---|---|---|---|---|")
@@ -200,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     print("\n| M | N | K | GEMM | ms | TFLOP/s |\n|---|---|---|---|---|---|")
-    for M, N, K in shapes:
+    for M, N, K in [] if args.quantize_only else shapes:
         for name, fn in _gemm_cases(M, N, K, device, fp8_backend).items():
             ms = _time_ms(fn, device)
             tflops = 2 * M * N * K / ms / 1e9
@@ -208,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {M} | {N} | {K} | {name} | {ms:.3f} | {tflops:.1f} |")
 
     print("\n| M | K | op | ms | GB/s | % of copy |\n|---|---|---|---|---|---|")
-    for M, _, K in shapes[: len(GPU_SQUARE) if device == "cuda" else len(CPU_QUICK)]:
+    for M, _, K in [] if args.gemm_only else shapes[: len(GPU_SQUARE) if device == "cuda" else len(CPU_QUICK)]:
         copy_gbs = None
         for name, (fn, nbytes) in _quantize_cases(M, K, device, fp8_backend).items():
+            name += launch if name != "device copy" else ""
             ms = _time_ms(fn, device)
             gbs = nbytes / ms / 1e6
             copy_gbs = copy_gbs or gbs
@@ -218,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {M} | {K} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
 
     print()
-    if device == "cuda":
+    if device == "cuda" and not args.quantize_only:
         print(_scaled_mm_recommendation(rows, fp8_backend))
     else:
         print("# no scaled_mm recommendation on CPU: the dispatcher runs the reference twin there")

@@ -6,19 +6,21 @@ usage: bash tools/bench/gpu_check.sh [--help] [--dry-run] [--steps LIST]
 
 Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budgets below add up to
 360 s). Every step runs in isolation under its own timeout; one failing does not stop the others:
-  precompile  (50 s)  tools/bench/kernel_audit.py in 8 parallel shards: every GEMM config and quantize
+  precompile  (45 s)  tools/bench/kernel_audit.py in 8 parallel shards: every GEMM config and quantize
                       kernel compiled for sm_90a into this run's Triton cache, with registers, spills
                       (n_spills), wgmma.wait_group and TMA per kernel, before anything is timed;
-  tests       (80 s)  the kernel, fused-prologue and FP8 linear tests on CUDA against their twins, the in-cast
+  tests       (70 s)  the kernel, fused-prologue and FP8 linear tests on CUDA against their twins, the in-cast
                       telemetry counts, the promotion order, the on-device model build (MEGAFP8_GEMM_AUTOTUNE=0;
                       xdist -n 12 if present);
   gemm        (50 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
   wgrad       (25 s)  bench_gemm.py --wgrad: wgrad into fp32 main_grad, Triton accumulate vs _scaled_mm + add_;
-  gluon       (35 s)  bench_gemm.py with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a wgmma group
-                      in flight, kernels/gemm_hopper.py): compare its rows with the gemm step's;
+  gluon       (25 s)  bench_gemm.py --gemm-only with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a
+                      wgmma group in flight, kernels/gemm_hopper.py): compare its rows with the gemm step's;
+  casts       (25 s)  bench_gemm.py --quantize-only with one K tile per cast program (launch 1,32,16,4; the
+                      default takes 4): compare its GB/s with the gemm step's quantize rows;
   train      (120 s)  tools/bench/bench_train.py: a ~1B Llama, 16k tokens per step, bf16 vs every FP8 recipe
                       (exact --only names), 4 iterations each, 2 untimed.
---steps LIST   comma-separated subset of: precompile,tests,gemm,wgrad,gluon,train (default: all, in that order)
+--steps LIST   comma-separated subset of: precompile,tests,gemm,wgrad,gluon,casts,train (default: all, in that order)
 --dry-run      print each step's command and budget, run nothing (works without a GPU)
 Results go to $OUT (or ./gpu_check_out): env.txt, one file per step, steps.tsv and the one table
 summary.md (each step's result and time, then the benchmark tables).
@@ -26,7 +28,7 @@ Exits 0 when every step passed; 1 when a step failed or no CUDA GPU is visible (
 2 on a bad argument.
 USAGE
 }
-ALL_STEPS="precompile,tests,gemm,wgrad,gluon,train"
+ALL_STEPS="precompile,tests,gemm,wgrad,gluon,casts,train"
 steps="$ALL_STEPS" dry_run=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -46,14 +48,15 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 # Each step: name, budget in seconds, output file, command (run by bash -c under `timeout`).
-step_budget() { case "$1" in precompile) echo 50 ;; tests) echo 80 ;; gemm) echo 50 ;; wgrad) echo 25 ;; gluon) echo 35 ;; train) echo 120 ;; esac; }
+step_budget() { case "$1" in precompile) echo 45 ;; tests) echo 70 ;; gemm) echo 50 ;; wgrad) echo 25 ;; gluon) echo 25 ;; casts) echo 25 ;; train) echo 120 ;; esac; }
 step_command() {
   case "$1" in
     precompile) echo 'for i in 0 1 2 3 4 5 6 7; do python3 tools/bench/kernel_audit.py --shard $i/8 --json "$OUT_DIR/audit$i.json" > "$OUT_DIR/audit$i.md" 2>&1 & done; rc=0; for j in $(jobs -p); do wait $j || rc=1; done; cat "$OUT_DIR"/audit?.md; exit $rc' ;;
     tests) echo 'xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); MEGAFP8_GEMM_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py' ;;
     gemm) echo 'python3 tools/bench/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"' ;;
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
-    gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
+    gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
+    casts) echo 'python3 tools/bench/bench_gemm.py --quantize-only --quantize-launch 1,32,16,4 --json "$OUT_DIR/bench_casts_1tile.json"' ;;
     train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 23 --only "high precision (bf16)" "fp8 delayed" "fp8 tensorwise" "fp8 rowwise" "fp8 blockwise" --json "$OUT_DIR/bench_train.json"' ;;
   esac
 }
