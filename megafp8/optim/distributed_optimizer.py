@@ -10,8 +10,8 @@ store) and in this rank's flat optimizer storage (``storage_lo``). Without the d
 every rank owns every bucket whole (plain DDP with the same update code).
 
 The step takes the storage in slabs of up to ``STEP_SLAB`` elements (across bucket boundaries), in a fixed
-number of tensor ops per slab whatever the number of parameters or buckets: decode master, m and v, update in fp32, encode, with the per-parameter
-constants (weight decay, fp16 scale, rounding key, grad-norm weight) broadcast from per-128-group tables
+number of tensor ops per slab whatever the number of parameters or buckets: decode master, m and v, update
+in fp32, encode, with the per-parameter constants (weight decay, fp16 scale, rounding key, grad-norm weight) broadcast from per-128-group tables
 built once (a parameter's fragment starts on a group boundary, so each group belongs to one parameter).
 The global grad norm and the non-finite check stay on the device: a non-finite step keeps every stored
 state (``torch.where`` on the finite flag) instead of returning early, so no step asks the host. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
@@ -33,6 +33,7 @@ from torch import nn
 from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
+from megafp8.optim.storage_slabs import StorageSlab, storage_slabs
 from megafp8.optim.stochastic_rounding import counter_uniform_at, rounding_keys, stochastic_round_to_fp16
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
@@ -60,20 +61,6 @@ class Fragment:
     @property
     def numel(self) -> int:
         return self.param_hi - self.param_lo
-
-
-@dataclass(eq=False)
-class StorageSlab:
-    """Storage ``[start, start + n)``: the pieces ``[lo, hi)`` of bucket shards it covers, in storage order."""
-
-    start: int
-    n: int
-    pieces: list[tuple[Bucket, int, int]]
-    grads: list[torch.Tensor]  # the pieces' grad_data views, built once (the grad buffers live as long as the run)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [hi - lo for _b, lo, hi in self.pieces]
 
 
 @dataclass
@@ -187,7 +174,7 @@ class DistributedOptimizer:
             if hi > lo:
                 self._shards.append((bucket, lo, hi, storage))
             storage += hi - lo
-        self._slabs = _storage_slabs(self._shards, STEP_SLAB)
+        self._slabs = storage_slabs(self._shards, STEP_SLAB)
         self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
 
     @property
@@ -496,22 +483,6 @@ class DistributedOptimizer:
                 raise ValueError(f"optimizer checkpoint covers {covered} of the {frag.numel} elements of {frag.name} "
                                  f"[{frag.param_lo}, {frag.param_hi}) this rank owns: pass every DP rank's state dict")
         self._publish()
-
-
-def _storage_slabs(shards: list[tuple[Bucket, int, int, int]], size: int) -> list[StorageSlab]:
-    """The storage (bucket shards, consecutive) cut into slabs of ``size`` elements (a multiple of GROUP)."""
-    slabs, pieces, start, filled = [], [], 0, 0
-    for bucket, lo, hi, _storage in shards:
-        while lo < hi:
-            take = min(hi - lo, size - filled)
-            pieces.append((bucket, lo, lo + take))
-            lo, filled = lo + take, filled + take
-            if filled == size:
-                slabs.append(StorageSlab(start, filled, pieces, [b.grad_data[a:z] for b, a, z in pieces]))
-                start, pieces, filled = start + filled, [], 0
-    if pieces:
-        slabs.append(StorageSlab(start, filled, pieces, [b.grad_data[a:z] for b, a, z in pieces]))
-    return slabs
 
 
 def _slice_storage(t: torch.Tensor, numel: int, start: int, n: int, per_group: bool | None = None) -> torch.Tensor:
