@@ -148,13 +148,15 @@ def test_save_at_dp4_load_at_dp2(tmp_path, state_dtype):
 def _tensor_parallel_body(rank, world_size):
     """TP=2 x DP=2 with sequence parallelism: norm grads are summed over TP exactly once (in their bucket's
     reduction) and the clipped global norm counts the TP-replicated norms once, so the run equals AdamW on
-    the unsharded model."""
+    the unsharded model: as close to an fp64 TP=1 run as the fp32 TP=1 run is (rounding only)."""
     cfg = tiny_config()
     reference = build(cfg, ParallelState().init_process_groups())
     full_state = {k: v.clone() for k, v in reference.state_dict().items()}
-    ref_opt = reference_adamw(reference, LR, WD)
+    exact = copy.deepcopy(reference).double()
+    ref_opt, exact_opt = reference_adamw(reference, LR, WD), reference_adamw(exact, LR, WD)
     for step in range(STEPS):
         reference_step(reference, ref_opt, cfg, step, 2, CLIP)
+        reference_step(exact, exact_opt, cfg, step, 2, CLIP)
     ps = ParallelState(world_size=world_size, tensor_model_parallel_size=2, sequence_parallel=True).init_process_groups()
     model = build(cfg, ps)
     model.load_state_dict(shard_state_dict(full_state, model, 2, ps.tp_group.rank))
@@ -162,15 +164,20 @@ def _tensor_parallel_body(rank, world_size):
     opt = DistributedOptimizer(ddp, weight_decay=WD, clip_grad=CLIP)
     for step in range(STEPS):
         assert not train_step(ddp, opt, cfg, step, LR)[0].skipped
-    ref = dict(reference.named_parameters())
+    ref, fp64 = dict(reference.named_parameters()), dict(exact.named_parameters())
+    tp1_errors, tp2_errors = {}, {}
     for name, param in model.named_parameters():
         full = gather_tensor_model_parallel(param.detach(), param, ps.tp_group)
-        expected = ref[name].detach()
+        expected, exact_value = ref[name].detach(), fp64[name].detach()
         if getattr(param, "padded_vocab", False):  # padding differs between TP layouts; rows past the vocab are unused
-            full, expected = full[: cfg.vocab_size], expected[: cfg.vocab_size]
-        # Rounding only: against an fp64 TP=1 run, TP=1 fp32 lands 8.2e-6 and TP=2xSP 1.4e-5 of the max (linear_fc1),
-        # 5.5e-6 apart; autograd's RMSNorm backward instead of the written-out one: 1.4e-5, 2.0e-5, 1.05e-5 apart.
-        assert max_rel_diff(full, expected) <= 1e-5, (name, max_rel_diff(full, expected))
+            full, expected, exact_value = full[: cfg.vocab_size], expected[: cfg.vocab_size], exact_value[: cfg.vocab_size]
+        tp1_errors[name], tp2_errors[name] = max_rel_diff(expected, exact_value), max_rel_diff(full, exact_value)
+        assert max_rel_diff(full, expected) <= 3e-5, (name, max_rel_diff(full, expected))
+    # Rounding only: against the fp64 run, 10 Adam steps amplify a gradient's last bits in the FFN weights (the
+    # worst element of a tensor, measured: linear_fc1 of layer 0 TP=1 1.3e-5 / TP=2xSP 2.7e-6, of layer 1 5.1e-6 /
+    # 1.5e-5), so which run is closer to fp64 is luck per tensor, and TP=2xSP lands up to ~1e-5 from TP=1
+    # depending on the CPU's reduction order. Over the whole model the sharded run is as accurate as TP=1.
+    assert max(tp2_errors.values()) <= 2 * max(tp1_errors.values()), (tp2_errors, tp1_errors)
 
 
 @pytest.mark.distributed
