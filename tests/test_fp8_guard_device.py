@@ -124,3 +124,50 @@ def test_a_trip_after_the_last_read_is_not_lost_at_the_end_of_a_run():
     _record(model, over)
     assert guard.check(model, 3) == []  # 3 is not a read iteration
     assert guard.take_events() == [{"iteration": 3, "layer": "0", "saturated": 0.5}] and model[0].guard_high_precision
+
+
+@pytest.mark.parametrize("switch_lag", [1, 2])
+@pytest.mark.parametrize("patience", [1, 3])
+def test_a_lagged_switch_lands_lag_checks_after_the_trip_with_the_same_decisions(switch_lag, patience):
+    """switch_lag (the trainer's 1): between read iterations a trip is switched exactly `switch_lag` checks after
+    it, reading one host flag per check; the decisions stay the old guard's."""
+    layers, iterations, read_interval = 6, 40, 100
+    for seed in range(3):
+        counts = _saturated_counts(layers, iterations, seed)
+        model = _model(layers)
+        guard = SaturationGuard(threshold=0.01, patience=patience, read_interval=read_interval, switch_lag=switch_lag)
+        want = _old_guard(counts, 0.01, patience)
+        for iteration in range(1, iterations + 1):
+            _record(model, counts[iteration - 1])
+            events_before = len(guard.events)
+            messages = guard.check(model, iteration)
+            assert len(messages) == len(guard.events) - events_before
+            # A layer tripped switch_lag checks ago is switched by now; a check that switches reads every trip so far.
+            switched = {e["layer"] for e in guard.events}
+            assert {name for at, name, _ in want if at <= iteration - switch_lag} <= switched, iteration
+            new = [e["iteration"] for e in guard.events[events_before:]]
+            assert not new or (max(new) <= iteration and min(new) <= iteration - switch_lag), (iteration, new)
+            assert all(f"(applied at iteration {iteration})" in m for m, at in zip(messages, new) if at < iteration)
+        guard.state_dict()
+        got = sorted((e["iteration"], e["layer"], e["saturated"]) for e in guard.take_events())
+        assert want and got == want, (seed, got, want)
+
+
+def test_a_lagged_check_reads_no_device_value_until_a_layer_trips(monkeypatch):
+    model = _model(3)
+    guard = SaturationGuard(patience=2, read_interval=100, switch_lag=1)
+    under, over = torch.zeros(3, len(ROLES), dtype=torch.int64), torch.zeros(3, len(ROLES), dtype=torch.int64)
+    over[2, 0] = 500
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self, _t=torch.Tensor.tolist: reads.append(1) or _t(self))
+    for iteration, counts in enumerate([under, under, over, over], start=1):  # trips at 4
+        _record(model, counts)
+        with OpCounter() as counter:
+            assert guard.check(model, iteration) == []
+        assert counter.host_reads == 0 and not reads, iteration
+        assert iteration == 1 or counter.ops <= 21, counter.ops  # the check (18) + the flag: any(), copy_ (1: setup)
+    _record(model, under)
+    messages = guard.check(model, 5)  # the flag of check 4 is set: this check reads the strikes and switches
+    assert model[2].guard_high_precision and reads == [1]
+    assert messages == ["fp8 guard: 2 saturated 50.00% > 1.00% for 2 checks at iteration 4: switched to high "
+                        "precision (applied at iteration 5)"]

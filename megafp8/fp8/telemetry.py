@@ -9,6 +9,7 @@ them, once per logged iteration; the guard keeps its strikes on the device too (
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -72,6 +73,33 @@ def collect_fp8_telemetry(model: nn.Module) -> dict[str, float]:
     return dict(zip(keys, torch.stack(values).tolist()))
 
 
+class _LaggedFlags:
+    """A ring of lag + 1 host bools: push() copies a device flag into the next one without blocking, pop_lagged()
+    returns the flag pushed `lag` pushes ago (False until there is one), after its copy's CUDA event."""
+
+    def __init__(self, lag: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.lag, self.count = lag, 0
+        self.host = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(lag + 1 if lag else 0)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in self.host]
+
+    def push(self, flag: torch.Tensor) -> None:
+        slot = self.count % len(self.host)
+        self.host[slot].copy_(flag, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        self.count += 1
+
+    def pop_lagged(self) -> bool:
+        if self.count <= self.lag:
+            return False
+        slot = (self.count - 1 - self.lag) % len(self.host)
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()  # `lag` iterations old: done unless the CPU ran that far ahead
+        # A plain read of host memory (no torch op, so nothing that could wait for the device).
+        return ctypes.c_bool.from_address(self.host[slot].data_ptr()).value
+
+
 class SaturationGuard:
     """Switch a layer to high precision when its saturated fraction stays above `threshold` for `patience`
     consecutive checks. check() returns one message per switch, for the console; `events` collects the
@@ -81,9 +109,16 @@ class SaturationGuard:
     No host read per step: check() runs every step on the device (the layers' saturated counts, the MAX
     all-reduce, strikes += 1 or reset, and the iteration and fraction at which a layer first reached
     `patience`: the same strikes, hence the same decisions, as a check that read every step). The host reads
-    them only every `read_interval` iterations (the trainer passes --log-interval, when it reads its own
+    them every `read_interval` iterations (the trainer passes --log-interval, when it reads its own
     counters) and in state_dict() and take_events(): a layer that tripped in between is switched then, and its event
     names the iteration it tripped at. read_interval=1 switches at the very check that trips, as before.
+    With `switch_lag` = L >= 1 a trip also lands L checks later without waiting for a read iteration: each check
+    copies one "a layer tripped" flag to (pinned) host memory without blocking, and the check L later reads that
+    flag (after the copy's CUDA event, L iterations old: the CPU runs at most L iterations ahead of the GPU, the
+    queue is never drained); only when it is set does that check read the strikes and switch (one host read in
+    the iteration a layer switches). Every rank reads the flag of the same check, so all switch at the same
+    iteration. The trainer uses L = 1: a forced overflow clipped the layer for 8 more steps at --log-interval 10
+    before (docs/parity), for 1 now.
 
     all_reduce_max: in-place MAX over the ranks that share the layers (the TP x DP group). Every rank must
     take the same decision, or ranks would disagree on the precision (and the collectives) of a layer.
@@ -95,11 +130,12 @@ class SaturationGuard:
     # grow during LR warm-up (measured in the 500-step parity run, docs/parity), a transient that should not
     # cost a layer its FP8 for the rest of the run; persistent saturation above 1% is a real problem.
     def __init__(self, threshold: float = 1e-2, patience: int = 3,
-                 all_reduce_max: Callable[[torch.Tensor], None] | None = None, read_interval: int = 1):
-        if not 0 <= threshold < 1 or patience < 1 or read_interval < 1:
-            raise ValueError("saturation guard needs 0 <= threshold < 1, patience >= 1 and read_interval >= 1, got "
-                             f"{threshold}, {patience}, {read_interval}")
-        self.threshold, self.patience, self.read_interval = threshold, patience, read_interval
+                 all_reduce_max: Callable[[torch.Tensor], None] | None = None, read_interval: int = 1,
+                 switch_lag: int = 0):
+        if not 0 <= threshold < 1 or patience < 1 or read_interval < 1 or switch_lag < 0:
+            raise ValueError("saturation guard needs 0 <= threshold < 1, patience >= 1, read_interval >= 1 and "
+                             f"switch_lag >= 0, got {threshold}, {patience}, {read_interval}, {switch_lag}")
+        self.threshold, self.patience, self.read_interval, self.switch_lag = threshold, patience, read_interval, switch_lag
         self.all_reduce_max = all_reduce_max
         self.strikes: dict[str, int] = {}
         self.switched: set[str] = set()
@@ -121,7 +157,11 @@ class SaturationGuard:
                 self._numels = numels
                 self._device["numels"] = torch.tensor(numels, device=stats[0][1].counts.device)
             self._strike(torch.stack([s.counts for _, s in stats]), -1 if iteration is None else iteration)
+            if self.switch_lag:
+                self._flags.push(self._device["tripped"].any())
         if iteration is None or iteration % self.read_interval == 0:
+            self._read(iteration)
+        elif self.switch_lag and self._flags.pop_lagged():
             self._read(iteration)
         messages, self._messages = self._messages, []
         return messages
@@ -137,8 +177,10 @@ class SaturationGuard:
         self._layers, self._device, self._numels, self._unread = layers, {}, None, False
         self._structure = ([n for n, _ in layers], [i for i, _ in stats])
         if not stats:
+            self._flags = _LaggedFlags(self.switch_lag, torch.device("cpu"))
             return
         device = stats[0][1].counts.device
+        self._flags = _LaggedFlags(self.switch_lag, device)
         names = [name for name, _ in layers]
         # Host->device copies once per change of the checked layers, not per step.
         self._device = dict(

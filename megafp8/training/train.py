@@ -8,7 +8,9 @@ Order of one iteration (every rank):
 
 An iteration that does not log asks the device nothing: the loss, the grad norm and the skipped/NaN counts
 stay device tensors, read on log iterations (and before a save) by one copy of a packed tensor. The FP8
-saturation guard still reads its telemetry every step (megafp8.fp8.telemetry's own host read).
+saturation guard keeps its strikes on the device too; a trip reaches the host one iteration later through a
+non-blocking copy of one flag, and only the iteration that switches a layer reads its strikes
+(megafp8.fp8.telemetry.SaturationGuard).
 """
 from __future__ import annotations
 
@@ -105,12 +107,14 @@ def _on_any_rank(value: bool) -> bool:
 
 
 def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3,
-                     read_interval: int = 1) -> SaturationGuard:
+                     read_interval: int = 1, switch_lag: int = 1) -> SaturationGuard:
     """The FP8 saturation guard, deciding on the saturation MAX-reduced over the stage's TP x CP x DP ranks; its
-    strikes are read on the host every `read_interval` iterations (--log-interval) and at saves."""
+    strikes are read on the host every `read_interval` iterations (--log-interval) and at saves, and a trip lands
+    `switch_lag` iterations after it (a lagged non-blocking flag, see SaturationGuard)."""
     def all_reduce_max(tensor: torch.Tensor) -> None:
         C.all_reduce(tensor, parallel_state.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
-    return SaturationGuard(threshold, patience, all_reduce_max=all_reduce_max, read_interval=read_interval)
+    return SaturationGuard(threshold, patience, all_reduce_max=all_reduce_max, read_interval=read_interval,
+                           switch_lag=switch_lag)
 
 
 class Trainer:
