@@ -28,12 +28,11 @@ def _saturated_counts(layers: int, iterations: int, seed: int) -> torch.Tensor:
     return counts
 
 
-def _record(model: nn.Module, counts: torch.Tensor) -> None:
+def _record(model: nn.Module, counts: torch.Tensor, device: str = "cpu") -> None:
     for layer, module in enumerate(model):
         if not module.runs_high_precision:
-            module.fp8_telemetry = {role: Fp8TensorStats(torch.ones(()), torch.ones(()),
-                                                         torch.stack([counts[layer, r], torch.tensor(0)]), NUMEL)
-                                    for r, role in enumerate(ROLES)}
+            module.fp8_telemetry = {role: Fp8TensorStats(torch.ones(()), torch.ones(()), torch.stack(
+                [counts[layer, r], torch.tensor(0)]).to(device), NUMEL) for r, role in enumerate(ROLES)}
 
 
 def _old_guard(counts: torch.Tensor, threshold: float, patience: int) -> list[tuple[int, str, float]]:
@@ -126,9 +125,13 @@ def test_a_trip_after_the_last_read_is_not_lost_at_the_end_of_a_run():
     assert guard.take_events() == [{"iteration": 3, "layer": "0", "saturated": 0.5}] and model[0].guard_high_precision
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)  # cuda: pinned host flags, non-blocking copies, events
 @pytest.mark.parametrize("switch_lag", [1, 2])
 @pytest.mark.parametrize("patience", [1, 3])
-def test_a_lagged_switch_lands_lag_checks_after_the_trip_with_the_same_decisions(switch_lag, patience):
+def test_a_lagged_switch_lands_lag_checks_after_the_trip_with_the_same_decisions(switch_lag, patience, device):
     """switch_lag (the trainer's 1): between read iterations a trip is switched exactly `switch_lag` checks after
     it, reading one host flag per check; the decisions stay the old guard's."""
     layers, iterations, read_interval = 6, 40, 100
@@ -138,7 +141,7 @@ def test_a_lagged_switch_lands_lag_checks_after_the_trip_with_the_same_decisions
         guard = SaturationGuard(threshold=0.01, patience=patience, read_interval=read_interval, switch_lag=switch_lag)
         want = _old_guard(counts, 0.01, patience)
         for iteration in range(1, iterations + 1):
-            _record(model, counts[iteration - 1])
+            _record(model, counts[iteration - 1], device)
             events_before = len(guard.events)
             messages = guard.check(model, iteration)
             assert len(messages) == len(guard.events) - events_before
@@ -153,7 +156,8 @@ def test_a_lagged_switch_lands_lag_checks_after_the_trip_with_the_same_decisions
         assert want and got == want, (seed, got, want)
 
 
-def test_a_lagged_check_reads_no_device_value_until_a_layer_trips(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_lagged_check_reads_no_device_value_until_a_layer_trips(monkeypatch, device):
     model = _model(3)
     guard = SaturationGuard(patience=2, read_interval=100, switch_lag=1)
     under, over = torch.zeros(3, len(ROLES), dtype=torch.int64), torch.zeros(3, len(ROLES), dtype=torch.int64)
@@ -161,12 +165,12 @@ def test_a_lagged_check_reads_no_device_value_until_a_layer_trips(monkeypatch):
     reads = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self, _t=torch.Tensor.tolist: reads.append(1) or _t(self))
     for iteration, counts in enumerate([under, under, over, over], start=1):  # trips at 4
-        _record(model, counts)
+        _record(model, counts, device)
         with OpCounter() as counter:
             assert guard.check(model, iteration) == []
         assert counter.host_reads == 0 and not reads, iteration
         assert iteration == 1 or counter.ops <= 21, counter.ops  # the check (18) + the flag: any(), copy_ (1: setup)
-    _record(model, under)
+    _record(model, under, device)
     messages = guard.check(model, 5)  # the flag of check 4 is set: this check reads the strikes and switches
     assert model[2].guard_high_precision and reads == [1]
     assert messages == ["fp8 guard: 2 saturated 50.00% > 1.00% for 2 checks at iteration 4: switched to high "

@@ -200,13 +200,13 @@ def test_layer_launches_with_telemetry_on_are_the_fused_ones(name):
 
 # TP=2 cases: (recipe, sequence parallel, seq_length (batch 2), forced-overflow layer, RMSNorms of the 2-layer model
 # fused per warm training step, and in a no-grad forward (no x^T)). Under SP a rank holds seq_length token rows:
-# 128 when "aligned", else 16.
+# 128 (256: two 1x128 token groups per rank) when "aligned", else 16.
 TP_CASES = {
     "no SP delayed": (RECIPES["delayed"], False, 16, None, 4, 4),
     "SP delayed": (RECIPES["delayed"], True, 16, None, 4, 4),
     "SP delayed, forced overflow": (RECIPES["delayed"], True, 16, "layers.0.self_attention.linear_qkv", 3, 3),
     "SP blockwise aligned": (RECIPES["blockwise"], True, 128, None, 4, 4),
-    "SP blockwise_hybrid_pow2 aligned": (RECIPES["blockwise_hybrid_pow2"], True, 128, None, 4, 4),
+    "SP blockwise_hybrid_pow2 aligned, 2 groups": (RECIPES["blockwise_hybrid_pow2"], True, 256, None, 4, 4),
     # x^T's 128-token / per-channel groups span both ranks; current tensorwise needs every rank's amax first.
     "SP blockwise unaligned": (RECIPES["blockwise"], True, 16, None, 0, 4),
     "SP rowwise": (RECIPES["rowwise"], True, 16, None, 0, 4),
@@ -290,3 +290,26 @@ def test_fused_norms_still_run_their_module_hooks():
     with fp8_autocast(recipe=RECIPES["delayed"]):
         layer(torch.randn(16, 2, 128), rotary)
     assert called == [layer.input_layernorm, layer.pre_mlp_layernorm]
+
+
+class _DroppingMaxComm:
+    """Rank 0 of 2 whose MAX all-reduce is std::max(other, mine), as gloo's: a NaN of this rank's loses to 0."""
+
+    size, rank = 2, 0
+
+    def sync_amax(self, t: torch.Tensor) -> None:
+        other = torch.zeros_like(t)
+        t.copy_(torch.where(other < t, t, other))
+
+
+def test_fused_transposed_shard_keeps_a_nan_scale_through_a_max_that_drops_nan():
+    from types import SimpleNamespace
+
+    from megafp8.fp8.linear_function import _fused_transposed_shard
+    from megafp8_kernels import Granularity
+
+    scale_t = torch.tensor([[0.5, float("nan")], [2.0, 1.0]])
+    local = SimpleNamespace(granularity=Granularity.BLOCK_1X128, col_major=lambda: (torch.zeros(2, 256), scale_t))
+    _, full = _fused_transposed_shard(local, _DroppingMaxComm())
+    assert full.shape == (2, 4) and torch.equal(full[:, 2:], torch.zeros(2, 2))
+    assert torch.equal(full[:, :2].nan_to_num(-1.0), scale_t.nan_to_num(-1.0))  # the NaN group stays NaN

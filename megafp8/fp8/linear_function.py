@@ -264,9 +264,11 @@ def _fused_transposed_shard(local: Float8Tensor, comm: SequenceParallelComm) -> 
         return data_t, scale_t
     groups = scale_t.shape[1]
     full = scale_t.new_zeros(scale_t.shape[0], groups * comm.size)
-    full[:, comm.rank * groups:(comm.rank + 1) * groups] = scale_t
+    # A NaN scale (an inf/NaN amax) travels as +inf: a MAX with another rank's 0 may drop a NaN (gloo's std::max,
+    # NCCL), never an inf; no finite amax gives an infinite 1/scale, so every inf is a NaN scale again after.
+    full[:, comm.rank * groups:(comm.rank + 1) * groups] = scale_t.nan_to_num(nan=float("inf"))
     comm.sync_amax(full)
-    return data_t, full
+    return data_t, full.masked_fill_(full == float("inf"), float("nan"))
 
 
 def _with_transposed_copy(full: Float8Tensor, power_of_2_scale: bool) -> Float8Tensor:

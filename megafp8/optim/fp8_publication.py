@@ -78,6 +78,7 @@ class Fp8Publication:
             info.scale_inv = self.scale_inv[base:base + n].view(
                 scale_shape(p.shape[0], p.shape[1], info.recipe.granularity("weight")))
         self._plans: dict[tuple[bool, ...], _ScalePlan] = {}
+        self._warm_index: dict[tuple[int, ...], torch.Tensor] = {}
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -175,7 +176,11 @@ class Fp8Publication:
         local = amax.new_zeros(len(self.params) + 1).scatter_reduce_(0, self.param_of_slot, amax, "amax")
         warm = [j for j in states if quant[j].scale is not None]
         if warm:
-            index = torch.tensor(warm, device=amax.device) if len(warm) < len(self.params) else None
+            index = None
+            if len(warm) < len(self.params):  # built once per set of warm weights: no host->device copy per step
+                index = self._warm_index.get(tuple(warm))
+                if index is None:
+                    index = self._warm_index[tuple(warm)] = torch.tensor(warm, device=amax.device)
             torch._foreach_maximum_([quant[j].state.pending_amax for j in warm],
                                     list((local[:-1] if index is None else local[index]).unbind()))
         for j in states:

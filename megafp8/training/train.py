@@ -9,7 +9,8 @@ Order of one iteration (every rank):
 An iteration that does not log asks the device nothing: the loss, the grad norm and the skipped/NaN counts
 stay device tensors, read on log iterations (and before a save) by one copy of a packed tensor. The FP8
 saturation guard keeps its strikes on the device too; a trip reaches the host one iteration later through a
-non-blocking copy of one flag, and only the iteration that switches a layer reads its strikes
+non-blocking copy of one flag (each iteration waits for the previous iteration's copy event: the CPU runs at most
+one iteration ahead, no queue drain), and only the iteration that switches a layer reads its strikes
 (megafp8.fp8.telemetry.SaturationGuard).
 """
 from __future__ import annotations
