@@ -33,7 +33,7 @@ from torch import nn
 from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
-from megafp8.optim.storage_slabs import StorageSlab, storage_slabs
+from megafp8.optim.storage_slabs import STEP_SLAB, StorageSlab, storage_slabs
 from megafp8.optim.stochastic_rounding import counter_uniform_at, rounding_keys, stochastic_round_to_fp16
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
@@ -41,7 +41,6 @@ from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tens
 from megafp8.parallel.sharding import is_tensor_model_parallel
 
 MASTER_DTYPES = ("fp32", "fp16")
-STEP_SLAB = 1 << 22  # storage elements the step takes at once: bounds its temporaries, whatever the bucket sizes
 FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
 
 

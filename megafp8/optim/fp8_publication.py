@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from megafp8.optim.fp8_param_cast import cast_to_fp8, element_groups, group_divisors, num_scale_groups
 from megafp8.optim.state_codec import GROUP
+from megafp8.optim.storage_slabs import STEP_SLAB, cut_into_slabs
 from megafp8.parallel import collectives as C
 from megafp8_kernels import fp8_format, scale_from_amax, scale_shape
 
-SLAB_GROUPS = 1 << 15  # 2^22 elements a slab: bounds the per-element temporaries, not the op count's growth
+SLAB_GROUPS = STEP_SLAB // GROUP  # the step's slab: bounds the per-element temporaries, not the op count's growth
 
 
 @dataclass
@@ -223,17 +224,9 @@ def _make_slabs(fp8_frags, device) -> list[_Slab]:
             last[1] += n
         else:
             runs.append([g0, n, data, pos])
-    slabs, groups, dests, sizes = [], [], [], []
-    for g0, n, data, pos in runs:
-        while n:
-            take = min(n, SLAB_GROUPS - sum(sizes) // GROUP)
-            groups.append(torch.arange(g0, g0 + take))
-            dests.append(data[pos:pos + take * GROUP])
-            sizes.append(take * GROUP)
-            g0, n, pos = g0 + take, n - take, pos + take * GROUP
-            if sum(sizes) == SLAB_GROUPS * GROUP:
-                slabs.append(_Slab(torch.cat(groups).to(device), dests, sizes))
-                groups, dests, sizes = [], [], []
-    if sizes:
-        slabs.append(_Slab(torch.cat(groups).to(device), dests, sizes))
+    slabs = []
+    for pieces in cut_into_slabs([n for _g0, n, _data, _pos in runs], SLAB_GROUPS):
+        groups = [torch.arange(runs[r][0] + offset, runs[r][0] + offset + n) for r, offset, n in pieces]
+        dests = [runs[r][2][runs[r][3] + offset * GROUP:runs[r][3] + (offset + n) * GROUP] for r, offset, n in pieces]
+        slabs.append(_Slab(torch.cat(groups).to(device), dests, [n * GROUP for _r, _offset, n in pieces]))
     return slabs
