@@ -44,8 +44,12 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 def saturating_cast(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """fp32 -> FP8 with round-to-nearest-even; finite values past the range saturate, NaN stays NaN, inf -> NaN."""
-    y = torch.where(torch.isinf(y), torch.full_like(y, float("nan")), y)
-    return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)  # clamp propagates NaN
+    return saturating_cast_(y.clone(), fmt)
+
+
+def saturating_cast_(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """saturating_cast overwriting its fp32 input (no temporary of its size: for casts of large slabs)."""
+    return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # clamp keeps NaN
 
 
 def _group_amax(a: torch.Tensor, gran: Granularity) -> torch.Tensor:

@@ -16,6 +16,7 @@ import math
 import torch
 
 from megafp8_kernels import Granularity, fp8_format, scale_shape
+from megafp8_kernels.quantize_reference import saturating_cast_
 
 BLOCK = 128
 WHOLE = 1 << 62  # a divisor no flat index reaches: the quotient is 0 (one group along that dimension)
@@ -48,6 +49,4 @@ def element_groups(flat_index: torch.Tensor, cols, row_div, per_band, col_div) -
 def cast_to_fp8(values: torch.Tensor, per_element_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 bytes (uint8) of fp32 ``values`` (overwritten) times their quantization scale: megafp8_kernels'
     ``saturating_cast`` rule (inf -> NaN, saturate, round to nearest even), in place."""
-    fmt = fp8_format(fp8_dtype)
-    y = values.mul_(per_element_scale)
-    return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
+    return saturating_cast_(values.mul_(per_element_scale), fp8_format(fp8_dtype)).view(torch.uint8)
