@@ -176,11 +176,10 @@ class SaturationGuard:
     def _start(self, layers: list[tuple[str, nn.Module]], stats: list) -> None:
         self._layers, self._device, self._numels, self._unread = layers, {}, None, False
         self._structure = ([n for n, _ in layers], [i for i, _ in stats])
+        device = stats[0][1].counts.device if stats else torch.device("cpu")
+        self._flags = _LaggedFlags(self.switch_lag, device)  # pending flags belong to the previous layer set
         if not stats:
-            self._flags = _LaggedFlags(self.switch_lag, torch.device("cpu"))
             return
-        device = stats[0][1].counts.device
-        self._flags = _LaggedFlags(self.switch_lag, device)
         names = [name for name, _ in layers]
         # Host->device copies once per change of the checked layers, not per step.
         self._device = dict(
