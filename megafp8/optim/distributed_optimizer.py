@@ -115,6 +115,7 @@ class DistributedOptimizer:
         # Counters on the device: whether a step counts is known there only (the finite flag).
         self._step = torch.zeros((), dtype=torch.int64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._betas = torch.tensor(betas, dtype=torch.float64, device=device)  # once, not a blocking copy per step
         self._make_group_tables(numel, device)
         self._fp8_publication: Fp8Publication | None = None
         self.master: StateCodec = PlainCodec(numel, device, torch.float16 if master_weight_dtype == "fp16" else torch.float32)
@@ -294,7 +295,7 @@ class DistributedOptimizer:
             clip = torch.where(shifted > self.clip_grad, torch.full_like(shifted, self.clip_grad) / shifted, 1.0).float()
         step = self._step + 1  # this update's count, committed only if finite
         beta1, beta2 = self.betas
-        powers = torch.pow(torch.tensor(self.betas, dtype=torch.float64, device=norm.device), step.double())
+        powers = torch.pow(self._betas, step.double())
         bias_correction1 = 1 - powers[0]
         bias_correction2_sqrt = torch.sqrt(1 - powers[1]).float()
         step_size = (torch.full_like(bias_correction1, -lr) / bias_correction1).float()

@@ -78,7 +78,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = ctx.valid
         grad_loss = grad_loss.reshape(-1)
         grad = torch.empty_like(logits)
-        grad[:, valid:] = 0  # vocab padding
+        grad[:, valid:].zero_()  # vocab padding (not `= 0`: that lifts a host scalar to the device)
         # -1 at the target column of the rows whose target this rank owns, as in softmax - onehot.
         target_step = (~not_owned).to(torch.float32).neg_().unsqueeze(-1)
         if valid > 0:

@@ -98,8 +98,9 @@ def _mean_over(value: torch.Tensor, group) -> torch.Tensor:
 
 def _on_any_rank(value: bool) -> bool:
     """True on every rank if `value` is True on any (one MAX all-reduce over the world; the flag lives on the
-    device the default group reduces: CUDA under NCCL)."""
-    if not dist.is_initialized():
+    device the default group reduces: CUDA under NCCL). A one-process world (a plain run, or torchrun with one
+    worker) has nothing to agree on: no collective, no device read."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
     flag = torch.tensor([float(value)], device=device)
@@ -210,8 +211,9 @@ class Trainer:
                 self._new_skipped += skipped
                 self._new_nan += skipped & ~(torch.isfinite(grad_norm) & torch.isfinite(loss.to(device)))
                 if p.iteration % args.log_interval == 0:
-                    elapsed = (time.perf_counter() - window_start) / window_iters
+                    # Read first: on a GPU the host runs ahead, and the read waits for the window's last step.
                     loss, grad_norm = self._read_counters(loss, grad_norm)
+                    elapsed = (time.perf_counter() - window_start) / window_iters
                     self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None)
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
