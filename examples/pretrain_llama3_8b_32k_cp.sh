@@ -12,6 +12,9 @@
 # shards over DP x CP. Each rank holds 16k tokens of a sequence, 4k of them per TP rank between the TP
 # regions; selective recomputation keeps the attention scores out of the saved activations.
 #
+# Install on the GPU machine (its own CUDA build of torch first): pip install -e ".[data,tensorboard]"
+# (the tokenizer and TensorBoard packages these flags use; plain `pip install -e .` installs neither).
+#
 # Environment (defaults in brackets): NNODES [2], NODE_RANK [0], MASTER [localhost], NPROC_PER_NODE [8],
 # DATA_PATH [data/long_text_document] (a preprocessed prefix, docs/data.md), TOKENIZER
 # [models/Meta-Llama-3.1-8B], RUN_DIR [runs/llama3_8b_32k_cp], TRAIN_ITERS [20000], GLOBAL_BATCH_SIZE [128]

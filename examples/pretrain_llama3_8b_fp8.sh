@@ -11,6 +11,9 @@
 # parameter gather overlapped with compute. GEMMs run in FP8 (E4M3 forward, E5M2 gradients: "hybrid")
 # with delayed scaling; everything else in bf16.
 #
+# Install on the GPU machine (its own CUDA build of torch first): pip install -e ".[data,tensorboard]"
+# (the tokenizer and TensorBoard packages these flags use; plain `pip install -e .` installs neither).
+#
 # Environment (defaults in brackets): NNODES [4], NODE_RANK [0], MASTER [localhost], NPROC_PER_NODE [8],
 # DATA_PATH [data/llama3_text_document] (a preprocessed prefix, docs/data.md), TOKENIZER
 # [models/Meta-Llama-3-8B] (a local HF tokenizer directory or tokenizer.json), RUN_DIR [runs/llama3_8b_fp8]

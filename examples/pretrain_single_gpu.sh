@@ -10,6 +10,9 @@
 # compressed optimizer state (fp16 master weights, FP8 Adam moments, bf16 gradients: docs/optimizer.md),
 # about 7 bytes per parameter instead of 18.
 #
+# Install on the GPU machine (its own CUDA build of torch first): pip install -e ".[data,tensorboard]"
+# (the tokenizer and TensorBoard packages these flags use; plain `pip install -e .` installs neither).
+#
 # Environment (defaults in brackets): DATA_PATH [runs/quickstart/stdlib_text_document], TOKENIZER
 # [runs/quickstart/tok.model] (SentencePiece; set TOKENIZER_TYPE=HuggingFaceTokenizer for a HF one),
 # RUN_DIR [runs/single_gpu], TRAIN_ITERS [20000]. Rerunning the command resumes from RUN_DIR/checkpoints.

@@ -99,3 +99,24 @@ def test_single_gpu_script_flags_are_accepted(tmp_path):
     h, f, kv = args.hidden_size, args.ffn_hidden_size, args.hidden_size // args.num_attention_heads * args.num_query_groups
     params = 2 * 4096 * h + 16 * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + h
     assert 0.9e9 < params < 1.3e9
+
+
+@pytest.mark.parametrize("script", ["pretrain_single_gpu.sh", "pretrain_llama3_8b_fp8.sh",
+                                    "pretrain_llama3_8b_32k_cp.sh"])
+def test_gpu_example_install_line_brings_the_packages_its_flags_need(script, tmp_path):
+    """The install line in the script's header names the extras whose packages its flags import (a tokenizer,
+    TensorBoard): following it, the run does not stop at the optional-package check."""
+    import re
+
+    from setup_extras import extras_packages
+
+    header = open(os.path.join(EXAMPLES, script)).read().split("set -euo pipefail")[0]
+    extras = re.search(r'pip install -e "\.\[([a-z,]+)\]"', header).group(1).split(",")
+    installed = {package for extra in extras for package in extras_packages()[extra]}
+    flags, _ = _entry_flags(_launch(script, tmp_path))
+    needed = set()
+    if "--tensorboard-dir" in flags:
+        needed.add("tensorboard")
+    tokenizer_type = flags[flags.index("--tokenizer-type") + 1]
+    needed.add({"SentencePieceTokenizer": "sentencepiece", "HuggingFaceTokenizer": "tokenizers"}[tokenizer_type])
+    assert needed <= installed, (script, needed - installed)

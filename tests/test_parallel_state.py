@@ -146,3 +146,21 @@ def test_context_parallel_layout_error_before_any_process_group():
     with pytest.raises(ArgumentError, match=r"--seq-length \(36\) must be divisible by 2 x --context-parallel-size \(8\)"):
         parse_args(flags, 4)
     assert parse_args([*flags[:7], "32", *flags[8:]], 8).data_parallel_size == 2
+
+
+def test_nccl_process_group_is_bound_to_the_local_gpu(monkeypatch):
+    """Under NCCL the group is created with device_id = cuda:LOCAL_RANK (eager communicator, barriers that need not
+    guess the device); checked on CPU by recording what init_process_group receives."""
+    from megafp8.parallel import parallel_state
+
+    calls = {}
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set_device", device))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.setdefault("init", kwargs))
+    parallel_state.initialize_distributed(backend="nccl", timeout_minutes=5)
+    assert calls["set_device"] == 3
+    assert calls["init"]["device_id"] == torch.device("cuda", 3) and calls["init"]["backend"] == "nccl"
+    calls.clear()
+    parallel_state.initialize_distributed(backend="gloo")
+    assert "device_id" not in calls["init"] and "set_device" not in calls

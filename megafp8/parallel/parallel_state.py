@@ -342,9 +342,13 @@ def initialize_distributed(backend: str | None = None, init_method: str | None =
     if dist.is_initialized():
         return
     backend = backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method or "env://"}
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        # Bound to its GPU: NCCL's communicator is created now, not at the first collective, and barriers need
+        # not guess the device.
+        kwargs["device_id"] = torch.device("cuda", local_rank)
     if timeout_minutes is not None:
         kwargs["timeout"] = timedelta(minutes=timeout_minutes)
     if world_size is not None:
