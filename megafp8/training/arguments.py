@@ -17,6 +17,7 @@ from megafp8.model.config import ACTIVATIONS, rope_scaling_flag
 from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
+from megafp8.training.profiling import profile_errors
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 CP_COMM_TYPES = ("p2p", "all_gather")
@@ -253,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TensorBoard scalars (train/lm_loss, train/lr, train/grad_norm, train/tokens_per_s, "
                         "train/tflops_per_device, train/model_state_bytes_per_param, validation/lm_loss, and "
                         "fp8/<layer>/... with --log-fp8-telemetry); needs the tensorboard package")
+    g.add_argument("--profile", action="store_true",
+                   help="write a torch.profiler Chrome trace of iterations --profile-step-start+1 .. "
+                        "--profile-step-end on --profile-ranks to <--log-dir or --tensorboard-dir>/profile/")
+    g.add_argument("--profile-step-start", type=int, default=10, help="iterations done before the trace starts")
+    g.add_argument("--profile-step-end", type=int, default=12, help="iterations done when the trace stops")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK", help="global ranks to profile")
     return p
 
 
@@ -418,6 +425,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     if not any(flag in e for e in errors for flag in schedule_flags):  # else its message would blame another flag
         errors += _schedule_errors(args)
     errors += optional_package_errors(args)
+    errors += profile_errors(args, world_size)
     return errors
 
 

@@ -32,6 +32,7 @@ from megafp8.parallel.context_parallel import split_for_context_parallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
 from megafp8.training.flops import flops_per_iteration
+from megafp8.training.profiling import IterationProfiler
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
 
 
@@ -148,6 +149,7 @@ class Trainer:
                                          num_query_groups=args.num_query_groups, seq_length=args.seq_length,
                                          padded_vocab_size=pipeline.chunks[0].padded_vocab_size)
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        self.profiler = IterationProfiler(args, ps.rank)
 
     # ---- one iteration ----------------------------------------------------------------------
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +205,10 @@ class Trainer:
                 if self.recipe is not None:  # the saturation guard reads telemetry every step
                     enable_fp8_telemetry(self.ddp.module, self.guard is not None or telemetry)
                 lr = self.schedule(p.consumed_samples)
+                self.profiler.before_iteration(p.iteration)
                 loss, updated, grad_norm = self.train_step()
                 p.iteration += 1
+                self.profiler.after_iteration(p.iteration)
                 p.consumed_samples += args.global_batch_size
                 window_iters += 1
                 skipped = ~updated.to(device)
@@ -233,6 +237,7 @@ class Trainer:
                     self.checkpointer.save(self)  # the final state, unless the last interval just saved it
             self._log_guard_switches()  # those after the last logged iteration
         finally:
+            self.profiler.finish(p.iteration)  # a run that ended or stopped inside the window
             stop.restore()
             self.log.close()
         self._read_counters()
