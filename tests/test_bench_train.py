@@ -1,5 +1,6 @@
 """tools/bench/bench_train.py --quick runs every configuration through the real entry and reports a
-consistent table (no timing assertions: throughput is checked only against its own definition)."""
+consistent table (no timing assertions: throughput is checked only against its own definition), and keeps a
+profiler trace of one extra, untimed iteration per run (--profile-dir, as gpu_check.sh runs it)."""
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ def _hand_flops(batch: int, layers: int, h: int, f: int, heads: int, groups: int
 def test_quick_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "tools/bench/bench_train.py", "--quick", "--iters", "4", "--warmup", "1",
-                             "--json", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                             "--json", str(out), "--profile-dir", str(tmp_path / "profiles")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -33,7 +34,7 @@ def test_quick_table_and_json(tmp_path):
     # micro batch 2; NullTokenizer 1000 + eod = 1001 entries padded to 1024.
     flops = _hand_flops(2, 2, 128, 384, 4, 4, 128, 1024)
     for r in rows:
-        assert r["timed_iterations"] == 3  # iterations 2..4
+        assert r["timed_iterations"] == 3  # iterations 2..4 (the profiled 5th is not timed)
         assert abs(r["tokens_per_s"] * r["seconds_per_iteration"] - 2 * 128) < 1e-6
         assert abs(r["tflops"] * 1e12 * r["seconds_per_iteration"] - flops) < 1e-6 * flops
         assert r["mfu_bf16"] is None and r["peak_memory_kind"] == "ru_maxrss" and r["peak_memory_bytes"] > 2**20
@@ -44,3 +45,10 @@ def test_quick_table_and_json(tmp_path):
     # scalar buffers: under 1e-4 of a byte per parameter).
     assert abs(by_name["high precision (fp32)"]["model_state_bytes_per_param"] - 20.0) < 1e-3
     assert by_name["fp8 delayed + ZeRO fp8 preset"]["model_state_bytes_per_param"] < 10.0
+    # --profile-dir: one trace per configuration, of the untimed extra iteration, with the model's GEMMs in it.
+    import gzip
+
+    traces = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert len(traces) == len(NAMES) and "fp8_delayed.json.gz" in traces, traces
+    events = json.loads(gzip.open(tmp_path / "profiles" / "fp8_delayed.json.gz").read())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)

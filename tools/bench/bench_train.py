@@ -14,8 +14,10 @@ dense BF16 and FP8 peaks of `megafp8.training.training_log.PEAK_TFLOPS`.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,14 @@ def run_one(flags: list[str], log_dir: Path, timeout: float) -> tuple[list[dict]
     return [r for r in records if "lm_loss" in r], memory
 
 
+def keep_trace(trace: Path, directory: str, name: str) -> None:
+    """The run's Chrome trace, gzipped, as <directory>/<configuration name as a file name>.json.gz."""
+    os.makedirs(directory, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    with open(trace, "rb") as source, gzip.open(Path(directory) / f"{slug}.json.gz", "wb") as target:
+        shutil.copyfileobj(source, target)
+
+
 def summarize(name: str, flags: list[str], records: list[dict], memory: dict, warmup: int, vocab_size: int,
               peak: tuple[float, float] | None) -> dict:
     args = parse_args(flags, world_size=1)
@@ -144,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the configuration names and exit")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--profile-dir", default=None,
+                        help="each run trains one more, untimed iteration under --profile and its Chrome trace is "
+                             "kept here as <configuration>.json.gz")
     args = parser.parse_args(argv)
     import torch
 
@@ -166,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = device_peak_tflops(device) if cuda else None
     with tempfile.TemporaryDirectory(prefix="bench_train_") as scratch:
         prefix = str(Path(scratch) / "synthetic")
-        base = model_flags(args.quick, iters)
+        # With --profile-dir one more iteration runs after the timed ones, under the profiler, and is not timed.
+        base = model_flags(args.quick, iters + 1 if args.profile_dir else iters)
+        profile = (["--profile", "--profile-step-start", str(iters), "--profile-step-end", str(iters + 1)]
+                   if args.profile_dir else [])
         seq, batch = int(base[base.index("--seq-length") + 1]), int(base[base.index("--micro-batch-size") + 1])
         write_synthetic_tokens(prefix, vocab, num_tokens=64 * (seq + 1) * (4 + iters * batch // 64))
         data = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
@@ -176,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             flags = [*base, *data, *extra]
             try:  # one failed or timed-out run is a row of its own; the others still run
-                records, memory = run_one(flags, Path(scratch) / f"logs{i}", args.timeout)
-                rows.append(summarize(name, flags, records, memory, warmup, vocab + 1, peak))
+                log_dir = Path(scratch) / f"logs{i}"
+                records, memory = run_one([*flags, *profile], log_dir, args.timeout)
+                rows.append(summarize(name, flags, records[:iters], memory, warmup, vocab + 1, peak))
+                if args.profile_dir:
+                    keep_trace(log_dir / "profile" / f"rank0.iter{iters + 1}-{iters + 1}.json", args.profile_dir, name)
                 print(f"# {name}: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 failed += 1

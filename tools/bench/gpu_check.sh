@@ -20,7 +20,8 @@ Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budg
   casts       (25 s)  bench_gemm.py --quantize-only with one K tile per cast program (launch 1,32,16,4; the
                       default takes 4): compare its GB/s with the gemm step's quantize rows;
   train      (120 s)  tools/bench/bench_train.py: a ~1B Llama, 16k tokens per step, bf16 vs every FP8 recipe
-                      (exact --only names), 4 iterations each, 2 untimed.
+                      (exact --only names), 4 iterations each, 2 untimed, and a fifth under --profile: its
+                      Chrome trace in profiles/<run>.json.gz (where the step's time goes).
 --steps LIST   comma-separated subset of: precompile,tests,gemm,wgrad,gluon,casts,train (default: all, in that order)
 --dry-run      print each step's command and budget, run nothing (works without a GPU)
 Results go to $OUT (or ./gpu_check_out): env.txt, one file per step, steps.tsv and the one table
@@ -58,7 +59,7 @@ step_command() {
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
     gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
     casts) echo 'python3 tools/bench/bench_gemm.py --quantize-only --quantize-launch 1,32,16,4 --json "$OUT_DIR/bench_casts_1tile.json"' ;;
-    train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 23 --only "high precision (bf16)" "fp8 delayed" "fp8 tensorwise" "fp8 rowwise" "fp8 blockwise" --json "$OUT_DIR/bench_train.json"' ;;
+    train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 23 --only "high precision (bf16)" "fp8 delayed" "fp8 tensorwise" "fp8 rowwise" "fp8 blockwise" --json "$OUT_DIR/bench_train.json" --profile-dir "$OUT_DIR/profiles"' ;;
   esac
 }
 if [ "$dry_run" = 1 ]; then
