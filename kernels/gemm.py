@@ -21,6 +21,7 @@ promotion, keeps the next step's wgmma in flight during it (MEGAFP8_GEMM_PRECISE
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -162,7 +163,10 @@ SM90_REJECTED_CONFIGS = [
     _config(256, 128, 128, 3, 8),
     _config(128, 128, 128, 3, 4),
 ]
-AUTOTUNE_ENV_VAR = "MEGAFP8_GEMM_AUTOTUNE"  # "0": the default (non-spilling) config, no tuning sweep
+# "1": tune over the offered configs (benchmarks, `--fp8-gemm-autotune`); unset or "0": the default, audited
+# non-spilling config. Not tuning by default: every rank of a training job would tune on its own, could pick another
+# config than its TP peers, and tunes (synchronizing its device) while NCCL work is in flight.
+AUTOTUNE_ENV_VAR = "MEGAFP8_GEMM_AUTOTUNE"
 # "gluon": the precise path (no fast_accum) runs gemm_hopper.py's kernel on Hopper, with one wgmma group in
 # flight while the previous K step is promoted (SASS-checked offline by kernel_audit.py, not yet timed or
 # checked on a GPU: opt-in until gpu_check.sh has compared it with the twin). Unset / "triton": this file's.
@@ -175,13 +179,33 @@ SM90_PROMOTED_CONFIG = _config(128, 64, 128, 4, 8)
 _INTERPRETER_CONFIG = _config(32, 32, BLOCK, 1, 4, group=2)
 
 
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV_VAR, "0") == "1"
+
+
+def tuning_cache_options() -> dict:
+    """Keep tuning results in Triton's cache directory (TRITON_CACHE_DIR), so a second process with the same
+    kernel and shapes reuses them instead of tuning again (Triton >= 3.2; older ones tune per process)."""
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _autotuned_kernel(hopper: bool):
     return triton.autotune(
         configs=SM90_CONFIGS if hopper else _FALLBACK_CONFIGS,
         key=["M", "N", "K", "SCALE_MODE", "ACCUMULATE", "FAST_ACCUM"],
         restore_value=["c_ptr"],  # tuning runs the kernel many times; accumulate must see C once
+        **tuning_cache_options(),
     )(_fp8_gemm_kernel)
+
+
+def default_config(hopper: bool) -> triton.Config | None:
+    """The launch config when the caller gives none: the audited default, or None to tune (autotune_enabled)."""
+    if _interpreting():
+        return _INTERPRETER_CONFIG
+    if autotune_enabled():
+        return None
+    return SM90_DEFAULT_CONFIG if hopper else FALLBACK_DEFAULT_CONFIG
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,13 +252,8 @@ def fp8_gemm_triton(
         return (out, kernel) if config is not None else out
     meta["FAST_ACCUM"] = fast_accum
     if config is None:
-        if _interpreting():
-            config = _INTERPRETER_CONFIG
-        else:
-            hopper = torch.cuda.get_device_capability(a.device)[0] == 9
-            if os.environ.get(AUTOTUNE_ENV_VAR, "1") == "0":
-                # One fixed, non-spilling config per specialization instead of a tuning sweep (tests, first runs).
-                config = SM90_DEFAULT_CONFIG if hopper else FALLBACK_DEFAULT_CONFIG
+        hopper = not _interpreting() and torch.cuda.get_device_capability(a.device)[0] == 9
+        config = default_config(hopper)
         returns_kernel = False
     else:
         returns_kernel = True

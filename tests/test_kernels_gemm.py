@@ -171,7 +171,7 @@ def test_dispatch_sends_eligible_cuda_gemms_to_scaled_mm(monkeypatch):
 def test_offered_hopper_configs_fit_the_register_budget():
     """The reasoning in gemm.py as an invariant: two fp32 accumulator tiles (running sum + per-K-step
     dot) take at most 128 of a thread's 255 registers in every offered config, the default included,
-    and MEGAFP8_GEMM_AUTOTUNE=0 launches the default."""
+    and it is what an untuned launch uses (tests/test_gemm_autotune_policy.py)."""
     from megafp8_kernels import gemm
 
     def acc_regs(cfg):
@@ -211,7 +211,7 @@ def test_unsupported_combinations_raise(backend):
 
 @pytest.mark.gpu
 def test_compiled_kernel_and_dispatch_on_gpu_large_shapes():
-    """Compiled Triton kernel (autotuned, or the default config under MEGAFP8_GEMM_AUTOTUNE=0) and the
+    """Compiled Triton kernel (the default config; tuned under MEGAFP8_GEMM_AUTOTUNE=1) and the
     auto dispatch (torch._scaled_mm for tensorwise/rowwise) on 4096-sized GEMMs in every mode."""
     for mode in MODES:
         a, b, sa, sb = _operands(4096, 4096, 4096, E4M3, E4M3, mode, 1)

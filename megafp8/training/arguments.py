@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-fp8-fprop-fast-accum", dest="fp8_fprop_fast_accum", action="store_false",
                    help="accumulate the forward GEMM (x W^T) with fp32 promotion like dgrad/wgrad, instead of the tensor "
                         "core's fast accumulation over all of K (TransformerEngine's default; docs/fp8.md)")
+    g.add_argument("--fp8-gemm-autotune", action="store_true",
+                   help="tune the Triton FP8 GEMM's launch config per shape on each rank (results cached in "
+                        "TRITON_CACHE_DIR for the next process) instead of the audited default config")
     g.add_argument("--fp8-param-gather", action="store_true",
                    help="the distributed optimizer casts its shard of each FP8 layer's weight to FP8 and the DP "
                         "all-gather moves FP8 bytes; the layers keep no high-precision weight copy, except a layer "

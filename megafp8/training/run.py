@@ -3,6 +3,7 @@ data-parallel grad buffer, the ZeRO optimizer, a checkpoint to resume from, then
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from datetime import timedelta
 
@@ -97,6 +98,10 @@ def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, tota
 
 def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig) -> int:
     parallel_state.init_process_groups(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    if args.fp8_gemm_autotune:  # else every rank launches the audited default config (megafp8_kernels.gemm: why)
+        from megafp8_kernels.gemm import AUTOTUNE_ENV_VAR
+
+        os.environ[AUTOTUNE_ENV_VAR] = "1"
     torch.manual_seed(args.seed)  # data-independent randomness; parameters come from (seed, name) generators
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
     total_params, per_stage = parameter_counts(pipeline, parallel_state)

@@ -11,8 +11,7 @@ Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budg
                       (n_spills), wgmma.wait_group and TMA per kernel, before anything is timed;
   tests       (70 s)  the kernel, fused-prologue and FP8 linear tests on CUDA against their twins, the in-cast
                       telemetry counts, the promotion order, the on-device model build, the guard's pinned-memory
-                      flags (MEGAFP8_GEMM_AUTOTUNE=0;
-                      xdist -n 12 if present);
+                      flags (the default GEMM config, no tuning; xdist -n 12 if present);
   gemm        (50 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
   wgrad       (25 s)  bench_gemm.py --wgrad: wgrad into fp32 main_grad, Triton accumulate vs _scaled_mm + add_;
   gluon       (25 s)  bench_gemm.py --gemm-only with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a
@@ -54,7 +53,7 @@ step_budget() { case "$1" in precompile) echo 45 ;; tests) echo 70 ;; gemm) echo
 step_command() {
   case "$1" in
     precompile) echo 'for i in 0 1 2 3 4 5 6 7; do python3 tools/bench/kernel_audit.py --shard $i/8 --json "$OUT_DIR/audit$i.json" > "$OUT_DIR/audit$i.md" 2>&1 & done; rc=0; for j in $(jobs -p); do wait $j || rc=1; done; cat "$OUT_DIR"/audit?.md; exit $rc' ;;
-    tests) echo 'xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); MEGAFP8_GEMM_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py tests/test_fp8_guard_device.py' ;;
+    tests) echo 'xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py tests/test_fp8_guard_device.py' ;;
     gemm) echo 'python3 tools/bench/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"' ;;
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
     gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
