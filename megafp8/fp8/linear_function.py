@@ -43,6 +43,7 @@ import math
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from megafp8_kernels import BLOCK, Granularity, fp8_format, fp8_gemm, quantize, scale_from_amax
 
@@ -244,8 +245,15 @@ def _local_transposed_shard(x2d: torch.Tensor, local: Float8Tensor, recipe: Fp8R
     else:
         group = torch.arange(comm.rank * rows, (comm.rank + 1) * rows, device=x2d.device) // BLOCK
     xt = x2d.detach().t().float()
-    amax = xt.new_zeros(cols, 1 if gran is Granularity.ROWWISE else math.ceil(total / BLOCK))
-    amax.scatter_reduce_(1, group.expand(cols, rows), xt.abs(), "amax")  # NaN propagates, as in the quantizer
+    # Reductions, not a scatter of every element onto its group (a rowwise channel's tokens all on one address);
+    # NaN propagates, as in the quantizer.
+    if gran is Granularity.ROWWISE:
+        amax = xt.abs().amax(1, keepdim=True)
+    else:  # this shard's tokens padded out to whole 1x128 tiles of the full sequence (zeros change no MAX)
+        amax = xt.new_zeros(cols, math.ceil(total / BLOCK))
+        first, lead = divmod(comm.rank * rows, BLOCK)
+        tiles = F.pad(xt.abs(), (lead, -(lead + rows) % BLOCK)).view(cols, -1, BLOCK).amax(-1)
+        amax[:, first:first + tiles.shape[1]] = tiles
     comm.sync_amax(amax)
     fmt = fp8_format(recipe.dtype(role))
     scale = scale_from_amax(amax, fmt.max, recipe.power_of_2_scale)
