@@ -288,6 +288,14 @@ def send(tensor: torch.Tensor, dst: int, counters: CommCounters, kind: str = "pp
     dist.send(_wire_view(tensor.contiguous()), dst=dst, group=group)
 
 
+def isend(tensor: torch.Tensor, dst: int, counters: CommCounters, kind: str = "pp_p2p",
+          group: dist.ProcessGroup | None = None) -> PendingCollective:
+    """Non-blocking point-to-point send to global rank ``dst``; keep ``tensor`` alive until ``wait()``."""
+    tensor = tensor.contiguous()
+    counters.add(kind, _nbytes(tensor))
+    return PendingCollective(tensor, dist.isend(_wire_view(tensor), dst=dst, group=group))
+
+
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Blocking receive into ``tensor`` from global rank ``src`` (not counted: the sender pays)."""
     dist.recv(_wire_view(tensor), src=src, group=group)

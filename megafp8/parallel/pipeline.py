@@ -298,8 +298,8 @@ class Pipeline:
 
         Runs its own forward-only pass rather than ``schedule.eval``: torch's multi-stage schedules still
         issue backward actions in eval mode on V-shaped layouts. Each rank runs its stages in pipeline order,
-        every micro-batch, sending each output on as soon as it is computed (counted as ``pp_p2p``), so
-        consecutive ranks overlap like a forward-only GPipe.
+        every micro-batch, and sends a stage's outputs on (counted as ``pp_p2p``) once it has received all of
+        that stage's inputs, so consecutive ranks overlap stage by stage like a forward-only GPipe.
         """
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         mask = torch.ones(labels.shape, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
@@ -325,11 +325,16 @@ class Pipeline:
         micro = [t.split(self.micro_batch_size) for t in (input_ids, labels, mask)]
         local = dict(zip(self.stage_ids, self.chunks))
         outputs: list[torch.Tensor | None] = [None] * self.num_microbatches  # between stages on this rank
-        sends: list[tuple[dist.Work, torch.Tensor]] = []  # non-blocking: looped layouts send both ways
+        sends: list[C.PendingCollective] = []  # non-blocking: looped layouts send both ways
         loss = torch.zeros((), device=self.device)
-        for stage, chunk in local.items():  # every rank walks the stages in pipeline order: no cyclic waits
+        # Every rank walks its stages in pipeline order, and a stage's sends are issued after all of its receives:
+        # then a rank pair's sends and receives come in the same order on both sides. NCCL runs each pair's p2p in
+        # issue order and a large send waits for its receive, so a send issued between two receives (rank 1 of an
+        # interleaved PP=2 sending stage 1's first output back while rank 0 still sends stage 0's) hangs both.
+        for stage, chunk in local.items():
             source = layout.stage_rank(stage - 1) if stage > 0 else me
             sink = layout.stage_rank(stage + 1) if stage + 1 < layout.num_stages else me
+            stage_outputs = []
             for mb in range(self.num_microbatches):
                 if chunk.pre_process:
                     out = chunk(micro[0][mb])
@@ -342,12 +347,11 @@ class Pipeline:
                     loss += self.microbatch_loss(out, torch.stack([micro[1][mb].double(), micro[2][mb].double()], -1))
                 elif sink == me:
                     outputs[mb] = out
-                else:  # sent as soon as computed: the next rank starts on it while this one continues
-                    out = out.contiguous()
-                    ps.comm.add("pp_p2p", out.numel() * out.element_size())
-                    sends.append((dist.isend(out, peers[sink], group=ps.pp_group.group), out))
-        for work, _ in sends:
-            work.wait()
+                else:
+                    stage_outputs.append(out)
+            sends += [C.isend(out, peers[sink], ps.comm, "pp_p2p", ps.pp_group.group) for out in stage_outputs]
+        for pending in sends:
+            pending.wait()
         return C.all_reduce(loss.float().reshape(1), ps.pp_group, "pp_p2p").reshape(())
 
     def _run_plain(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
