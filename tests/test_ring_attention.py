@@ -1,12 +1,15 @@
-"""Context-parallel attention (ring p2p and all-gather) vs a plain full-sequence causal softmax attention in fp64."""
+"""Context-parallel attention (ring p2p and all-gather) vs a plain full-sequence causal softmax attention in fp64:
+each block through SDPA's fused flash kernel in the input dtype (bf16 runs no fp32 matmul) and through the fp32 twin
+(attention_blocks.FUSED = False, in small query tiles)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed_testing import run_distributed
-from megafp8.parallel import ring_attention
+from megafp8.parallel import attention_blocks
 from megafp8.parallel.collectives import CommCounters
 from megafp8.parallel.context_parallel import (context_parallel_attention, gather_from_context_parallel,
                                                load_balanced_chunk_ids, local_positions, split_for_context_parallel)
@@ -75,18 +78,40 @@ def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, se
         comm_type, cp_size, kv_elems, dtype.itemsize, grad_size), what
 
 
+class _Fp32Matmuls(TorchDispatchMode):
+    """Counts matmul-family aten ops on fp32 operands, and the flash kernel calls."""
+    MATMULS = {"aten::mm", "aten::bmm", "aten::matmul", "aten::addmm", "aten::baddbmm"}
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.flash = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in self.MATMULS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+            self.count += 1
+        self.flash += name.startswith("aten::_scaled_dot_product_flash_attention")
+        return func(*args, **(kwargs or {}))
+
+
 def _body(rank, world_size):
     group = dist.group.WORLD
     for comm_type in ("p2p", "all_gather"):
         for heads, kv_heads, chunk in ((4, 2, 3), (2, 2, 5)):
             _check(group, rank, world_size, comm_type, heads, kv_heads, chunk, torch.float64, seed=chunk)
     _check(group, rank, world_size, "p2p", 4, 2, 4, torch.float32, seed=1)
-    _check(group, rank, world_size, "p2p", 4, 1, 4, torch.bfloat16, seed=2)
-    # Query-row tiles smaller than a chunk (tiles straddle the two chunks and the diagonal's mask offset).
-    ring_attention.Q_TILE_ROWS = 4
-    for comm_type in ("p2p", "all_gather"):
-        _check(group, rank, world_size, comm_type, 4, 2, 5, torch.float64, seed=3)
-    ring_attention.Q_TILE_ROWS = 1024
+    matmuls = _Fp32Matmuls()
+    with matmuls:  # bf16 blocks run in the flash kernel: no fp32 matmul, forward or backward
+        _check(group, rank, world_size, "p2p", 4, 1, 4, torch.bfloat16, seed=2)
+    assert matmuls.count == 0 and matmuls.flash >= 2 * world_size, (matmuls.count, matmuls.flash)
+    # The fp32 twin, in query-row tiles smaller than a chunk (tiles straddle the two chunks and the diagonal's mask).
+    attention_blocks.FUSED, attention_blocks.Q_TILE_ROWS = False, 4
+    try:
+        for comm_type in ("p2p", "all_gather"):
+            _check(group, rank, world_size, comm_type, 4, 2, 5, torch.float64, seed=3)
+        _check(group, rank, world_size, "p2p", 4, 1, 4, torch.bfloat16, seed=2)
+    finally:
+        attention_blocks.FUSED, attention_blocks.Q_TILE_ROWS = True, 1024
     if world_size == 2:
         q, k, v, _ = _inputs(1, 2, 2, 4, 8, seed=0)
         with pytest.raises(ValueError, match="but cp_rank is"):
@@ -124,3 +149,55 @@ def test_cp1_is_sdpa_and_bad_input_is_refused():
         context_parallel_attention(q, k, v, group=None, cp_rank=0, cp_size=1)
     with pytest.raises(ValueError, match="--cp-comm-type"):
         context_parallel_attention(q, k, v, group=None, cp_rank=0, cp_size=1, comm_type="ring", enable_gqa=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_blocks_merged_by_lse_equal_full_attention(device):
+    """Two K/V blocks (the first causal and square, the second not), each through attend / attend_backward with the
+    merged output and lse, give full attention and its gradients: the kernels (bf16) within bf16 rounding of the
+    fp64 twin, on CPU and on CUDA (its flash forward/backward calls are only reached there)."""
+    b, heads, groups, s, d = 2, 4, 2, 16, 64
+    gen = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(b, heads, s, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, groups, 2 * s, d, generator=gen) for _ in range(2))
+    scale = d ** -0.5
+
+    def blockwise(dtype, fused):
+        attention_blocks.FUSED = fused
+        try:
+            qx, kx, vx, dx = (t.to(device, dtype) for t in (q, k, v, dout))
+            ct = attention_blocks.compute_dtype(dtype)
+            out, lse = torch.zeros(qx.shape, dtype=ct, device=device), torch.full(qx.shape[:-1], float("-inf"),
+                                                                                  dtype=ct, device=device)
+            # keys [0, s) are a causal square block for the queries; keys [s, 2s) an unmasked one
+            blocks = [(slice(0, s), True), (slice(s, 2 * s), False)]
+            for keys, causal in blocks:
+                block_out, block_lse = attention_blocks.attend(qx, kx[:, :, keys], vx[:, :, keys], causal, scale)
+                attention_blocks.merge(out, lse, block_out.to(ct), block_lse.to(ct))
+            out = out.to(dtype)
+            dq, dk, dv = torch.zeros_like(qx, dtype=ct), torch.zeros_like(kx, dtype=ct), torch.zeros_like(vx, dtype=ct)
+            for keys, causal in blocks:
+                dq_b, dk_b, dv_b = attention_blocks.attend_backward(dx, qx, kx[:, :, keys], vx[:, :, keys], out, lse,
+                                                                    causal, scale)
+                dq += dq_b
+                dk[:, :, keys] += dk_b
+                dv[:, :, keys] += dv_b
+            return [t.double().cpu() for t in (out, dq, dk, dv)]
+        finally:
+            attention_blocks.FUSED = True
+
+    exact = blockwise(torch.float64, fused=False)
+    # The same attention written as one masked softmax: query i sees keys 0..i and s..2s-1.
+    rep = heads // groups
+    kf, vf = (t.double().repeat_interleave(rep, 1).requires_grad_() for t in (k, v))
+    qf = q.double().requires_grad_()
+    mask = torch.zeros(s, 2 * s, dtype=torch.bool)
+    mask[:, :s] = torch.ones(s, s, dtype=torch.bool).triu(1)
+    full = torch.softmax((qf @ kf.transpose(-1, -2) * scale).masked_fill(mask, float("-inf")), -1) @ vf
+    full.backward(dout.double())
+    reference = [full.detach(), qf.grad, kf.grad.view(b, groups, rep, 2 * s, d).sum(2),
+                 vf.grad.view(b, groups, rep, 2 * s, d).sum(2)]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), exact, reference):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"twin {n}: {m}")
+    for name, got, want in zip(("out", "dq", "dk", "dv"), blockwise(torch.bfloat16, fused=True), reference):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{device} bf16 {n}: {m}")

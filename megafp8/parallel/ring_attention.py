@@ -12,11 +12,11 @@ K/V of rank ``j`` seen by the queries of rank ``r`` there are three cases:
   half x all K/V, no mask.
 
 So every block but the diagonal is half the work of a full block and unmasked; the masked halves are never
-computed. Blocks run in tiles of ``Q_TILE_ROWS`` query rows (diagonal tiles also drop their fully masked
-keys), so the transient fp32 scores stay linear in the local sequence length. The math runs in fp32 (fp64 for fp64 inputs): per block scores, their log-sum-exp ``lse_i`` and
-``out_i``, merged as ``out = sum_i exp(lse_i - lse) out_i``. Backward recomputes each block's probabilities
-from the saved global ``lse`` (FlashAttention's ``delta = rowsum(dout * out)`` trick), so nothing of size
-``s x s`` is kept across blocks: saved are q, k, v, the output and ``lse`` (fp32, ``[b, heads, s_local]``).
+computed. Each block runs through SDPA's fused flash kernel in the input dtype (``attention_blocks.attend``: its
+output and log-sum-exp ``lse_i``, fp32), and the blocks are merged in fp32 (fp64 for fp64 inputs) as
+``out = sum_i exp(lse_i - lse) out_i``. Backward hands each block the merged output and ``lse``
+(``attention_blocks.attend_backward``: FlashAttention's renormalization), so nothing of size ``s x s`` is kept
+across blocks: saved are q, k, v, the output and ``lse`` (``[b, heads, s_local]``, fp32).
 
 Traffic, charged to ``cp_kv_p2p`` (``B_kv`` = bytes of this rank's K and V in their dtype, ``B_dkv`` = the
 same shape in the compute dtype, fp32 for bf16/fp32 inputs):
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megafp8.parallel.attention_blocks import attend, attend_backward, compute_dtype, merge
 from megafp8.parallel.collectives import (CommCounters, GroupHandle, PendingCollective, all_gather_into_tensor_async,
                                           reduce_scatter_tensor)
 
@@ -40,65 +41,13 @@ _KIND = "cp_kv_p2p"
 _KV_TAG, _DKV_TAG = 1, 2
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-# Query rows per tile of a block: the fp32 scores of a tile are ``b * heads * Q_TILE_ROWS * s_k`` elements,
-# so the transient memory grows linearly in the local sequence, not quadratically. Rows are independent
-# (each has its own lse), so tiling changes nothing in the math; a test sets it small to exercise the seams.
-Q_TILE_ROWS = 1024
-
-
-def _block_tiles(cp_rank: int, src: int, chunk: int):
-    """(query rows, key rows, causal offset or None) of each tile of the block between this rank's queries
-    and rank ``src``'s K/V. Diagonal tiles drop the keys after their last row (fully masked) and mask the
-    rest with ``key > offset + row``; off-diagonal blocks are half blocks without a mask."""
+def _blocks(cp_rank: int, src: int, chunk: int):
+    """(query rows, key rows, causal) of the block between this rank's queries and rank ``src``'s K/V."""
     if src == cp_rank:
-        rows, keys = range(0, 2 * chunk), None
-    elif src < cp_rank:
-        rows, keys = range(0, 2 * chunk), slice(0, chunk)
-    else:
-        rows, keys = range(chunk, 2 * chunk), slice(None)
-    for start in range(rows.start, rows.stop, Q_TILE_ROWS):
-        stop = min(start + Q_TILE_ROWS, rows.stop)
-        if keys is None:
-            yield slice(start, stop), slice(0, stop), start
-        else:
-            yield slice(start, stop), keys, None
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, causal_offset: int | None, scale: float) -> torch.Tensor:
-    """``[b, G, r, sq, sk]`` scaled scores; q ``[b, G, r, sq, d]``, k ``[b, G, 1, sk, d]``."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal_offset is not None:
-        sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu_(causal_offset + 1)
-        scores.masked_fill_(mask, float("-inf"))
-    return scores
-
-
-def _block_forward(q, k, v, causal: int | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """In place: fold one block's (out, lse) into the running ones (rows already sliced)."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-    lse.copy_(new_lse)
-
-
-def _block_backward(q, k, v, dout, lse, delta, causal: int | None, scale: float):
-    """(dq, dk, dv) of one block from the global lse/delta; dk/dv summed over the query heads of a group."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2, keepdim=True)
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(dim=2, keepdim=True) * scale
-    return dq, dk, dv
+        return slice(None), slice(None), True
+    if src < cp_rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, 2 * chunk), slice(None), False
 
 
 class _Ring:
@@ -128,25 +77,13 @@ class _InFlight:
         return self._recv
 
 
-def _split_heads(q, k, v, ct):
-    """q ``[b, H, s, d]`` -> ``[b, G, r, s, d]``; packed K/V ``[2, b, G, s, d]`` (query head i uses KV head i // r)."""
-    b, heads, s, d = q.shape
-    groups = k.shape[1]
-    return q.reshape(b, groups, heads // groups, s, d).to(ct), torch.stack([k, v]).contiguous()
-
-
-def _kv_block(kv: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V rows of packed ``[2, b, G, s, d]`` (already in the compute dtype) as ``[b, G, 1, rows, d]``."""
-    return kv[0, :, :, None, rows], kv[1, :, :, None, rows]
-
-
 def _forward(q, k, v, handle: GroupHandle, comm_type: str):
-    """Output ``[b, H, s, d]`` in q's dtype and ``lse`` ``[b, G, r, s]`` in the compute dtype."""
-    n, r, ct = handle.size, handle.rank, _compute_dtype(q.dtype)
-    q5, kv = _split_heads(q, k, v, ct)
+    """Output ``[b, H, s, d]`` in q's dtype and ``lse`` ``[b, H, s]`` in the compute dtype."""
+    n, r, ct = handle.size, handle.rank, compute_dtype(q.dtype)
+    kv = torch.stack([k, v]).contiguous()  # one message per ring step
     chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
-    out = torch.zeros(q5.shape, dtype=ct, device=q.device)
-    lse = torch.full(q5.shape[:-1], float("-inf"), dtype=ct, device=q.device)
+    out = torch.zeros(q.shape, dtype=ct, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=ct, device=q.device)
     gathered = _gather_async(kv, handle) if comm_type == "all_gather" else None
     ring = _Ring(handle) if comm_type == "p2p" else None
     for step in range(n):
@@ -156,13 +93,12 @@ def _forward(q, k, v, handle: GroupHandle, comm_type: str):
         if gathered is not None and step > 0:
             kv = all_kv[src]
         pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
-        kv_ct = kv.to(ct)  # once per block, not per tile (the wire keeps the input dtype)
-        for q_rows, k_rows, causal in _block_tiles(r, src, chunk):
-            block_out, block_lse = _block_forward(q5[..., q_rows, :], *_kv_block(kv_ct, k_rows), causal, scale)
-            _merge(out[..., q_rows, :], lse[..., q_rows], block_out, block_lse)
+        rows, keys, causal = _blocks(r, src, chunk)
+        block_out, block_lse = attend(q[..., rows, :], kv[0, :, :, keys], kv[1, :, :, keys], causal, scale)
+        merge(out[..., rows, :], lse[..., rows], block_out.to(ct), block_lse.to(ct))
         if pending is not None:
             kv = pending.wait()
-    return out.to(q.dtype).reshape(q.shape), lse
+    return out.to(q.dtype), lse
 
 
 def _gather_async(kv: torch.Tensor, handle: GroupHandle):
@@ -173,12 +109,10 @@ def _gather_async(kv: torch.Tensor, handle: GroupHandle):
 
 
 def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
-    n, r, ct = handle.size, handle.rank, _compute_dtype(q.dtype)
-    q5, kv = _split_heads(q, k, v, ct)
+    n, r, ct = handle.size, handle.rank, compute_dtype(q.dtype)
+    kv = torch.stack([k, v]).contiguous()
     chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
-    dout5 = dout.reshape(q5.shape).to(ct)
-    delta = (dout5 * out.reshape(q5.shape).to(ct)).sum(dim=-1)
-    dq = torch.zeros_like(q5)
+    dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     if comm_type == "all_gather":
         all_kv = _gather_async(kv, handle).wait()
         all_dkv = torch.zeros(all_kv.shape, dtype=ct, device=q.device)
@@ -190,13 +124,12 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
             kv = all_kv[src]
         kv_pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
         dkv = all_dkv[src] if ring is None else torch.zeros(kv.shape, dtype=ct, device=q.device)
-        kv_ct = kv.to(ct)
-        for q_rows, k_rows, causal in _block_tiles(r, src, chunk):
-            dq_b, dk_b, dv_b = _block_backward(q5[..., q_rows, :], *_kv_block(kv_ct, k_rows), dout5[..., q_rows, :],
-                                               lse[..., q_rows], delta[..., q_rows], causal, scale)
-            dq[..., q_rows, :] += dq_b
-            dkv[0, :, :, k_rows] += dk_b.squeeze(2)
-            dkv[1, :, :, k_rows] += dv_b.squeeze(2)
+        rows, keys, causal = _blocks(r, src, chunk)
+        dq_b, dk_b, dv_b = attend_backward(dout[..., rows, :], q[..., rows, :], kv[0, :, :, keys], kv[1, :, :, keys],
+                                           out[..., rows, :], lse[..., rows], causal, scale)
+        dq[..., rows, :] += dq_b
+        dkv[0, :, :, keys] += dk_b
+        dkv[1, :, :, keys] += dv_b
         if ring is not None:
             # The accumulator of rank src's dK/dV moves with its K/V; after N hops it is home, complete.
             if dkv_pending is not None:
@@ -209,7 +142,7 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
     else:
         dkv = torch.empty(all_dkv.shape[1:], dtype=ct, device=q.device)
         reduce_scatter_tensor(dkv, all_dkv.view(-1, *all_dkv.shape[2:]), handle, _KIND)
-    return dq.to(q.dtype).reshape(q.shape), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _ContextParallelAttention(torch.autograd.Function):

@@ -145,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     if any(args.seq % (2 * cp) for cp in args.cp):
         parser.error(f"--seq {args.seq} must be divisible by 2 x every --cp value")
-    from megafp8.parallel.ring_attention import Q_TILE_ROWS
+    from megafp8.parallel.attention_blocks import Q_TILE_ROWS
 
     elem = _DTYPES[args.dtype].itemsize
     rows = []

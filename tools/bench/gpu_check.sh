@@ -53,7 +53,7 @@ step_budget() { case "$1" in precompile) echo 45 ;; tests) echo 70 ;; gemm) echo
 step_command() {
   case "$1" in
     precompile) echo 'for i in 0 1 2 3 4 5 6 7; do python3 tools/bench/kernel_audit.py --shard $i/8 --json "$OUT_DIR/audit$i.json" > "$OUT_DIR/audit$i.md" 2>&1 & done; rc=0; for j in $(jobs -p); do wait $j || rc=1; done; cat "$OUT_DIR"/audit?.md; exit $rc' ;;
-    tests) echo 'xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py tests/test_fp8_guard_device.py' ;;
+    tests) echo 'xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py tests/test_fp8_guard_device.py tests/test_ring_attention.py::test_blocks_merged_by_lse_equal_full_attention' ;;
     gemm) echo 'python3 tools/bench/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"' ;;
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
     gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
