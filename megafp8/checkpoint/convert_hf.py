@@ -3,7 +3,8 @@
 HF -> megafp8: every megafp8 parameter becomes a lazy ``ShardedChunks`` whose data DCP asks for only while
 writing it (q/k/v are read and fused then, gate/up concatenated), so peak memory is about one fused tensor.
 The checkpoint is layout-free (global shapes, real vocab), so the TP/PP of the run that loads it is free.
-megafp8 -> HF: the checkpoint is read one layer at a time with DCP (resharded from whatever layout saved it).
+megafp8 -> HF: the checkpoint is read one layer at a time with DCP (resharded from whatever layout saved it),
+running no code from its files (``safe_dcp``).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from megafp8.checkpoint.atomic import iteration_dir, read_tracker
@@ -24,7 +25,8 @@ from megafp8.checkpoint.fp8_export import (BLOCK, RECIPE_KEY, fp8_linear_names, 
 from megafp8.checkpoint.hf_files import (ConversionError, HfTensors, ShardedSafetensorsWriter, atomic_output_dir,
                                          model_config_from_hf_dict, read_hf_config)
 from megafp8.checkpoint.manifest import check_file, read_manifest
-from megafp8.checkpoint.save_load import _single_process_quiet, save_checkpoint
+from megafp8.checkpoint.safe_dcp import read_metadata
+from megafp8.checkpoint.save_load import read_entries, save_checkpoint
 from megafp8.checkpoint.sharded_tensor import ShardedChunks
 from megafp8.model.config import ModelConfig
 from megafp8.model.hf_mapping import _LAYER_RENAMES, fuse_qkv, hf_llama_config_kwargs, split_qkv
@@ -248,17 +250,17 @@ class _CheckpointReader:
                     if (p := check_file(self.path, name, entry, hash_contents=True))]
         if problems:
             raise ConversionError("checkpoint is damaged:\n  " + "\n  ".join(problems))
-        self.metadata = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        self.index = read_metadata(self.path)  # the restricted unpickler: nothing from the file runs
+        self.metadata = self.index.state_dict_metadata
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         state = {}
         for name in names:
             meta = self.metadata.get(f"model.{name}")
-            if meta is None:
+            if not isinstance(meta, TensorStorageMetadata):
                 raise ConversionError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
             state[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        with _single_process_quiet():
-            dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        read_entries({"model": state}, self.path)
         return state
 
 
@@ -304,7 +306,7 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
         raise ConversionError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {save_dtype!r}")
     reader = _CheckpointReader(Path(load_dir), iteration)
     embedding = reader.metadata.get("model.embedding.weight")
-    if embedding is None:
+    if not isinstance(embedding, TensorStorageMetadata):
         raise ConversionError(f"{reader.path}: tensor 'embedding.weight' is missing from the checkpoint")
     config = _config_from_manifest(reader.manifest.get("args", {}), embedding.size[0], reader.path)
     dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" else save_dtype]
@@ -312,7 +314,7 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                  "torch_dtype": str(dtype).removeprefix("torch.")}
     fp8 = save_format == "hf-fp8"
-    switched = read_guard_switched(reader.path, reader.metadata) if fp8 else []  # exported in bf16, as trained
+    switched = read_guard_switched(reader.path, reader.index) if fp8 else []  # exported in bf16, as trained
     fp8_modules = fp8_linear_names(config.num_layers, reader.manifest.get("args", {}), switched) if fp8 else set()
     if fp8:
         hf_config["quantization_config"] = quantization_config(config.num_layers, reader.manifest.get("args", {}),

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from megafp8.checkpoint.convert_hf import _CheckpointReader, _config_from_manifest, check_target_layout
@@ -103,7 +104,7 @@ def megafp8_to_megatron(load_dir: str | Path, save_dir: str | Path, *, target_tp
     at a time; each global tensor is read once per TP rank, so memory is about one rank's shard plus one tensor."""
     reader = _CheckpointReader(Path(load_dir), iteration)
     embedding = reader.metadata.get("model.embedding.weight")
-    if embedding is None:
+    if not isinstance(embedding, TensorStorageMetadata):
         raise ConversionError(f"{reader.path}: tensor 'embedding.weight' is missing from the checkpoint")
     saved = reader.manifest.get("args", {})
     config = _config_from_manifest(saved, embedding.size[0], reader.path)

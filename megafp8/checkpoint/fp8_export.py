@@ -9,7 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from megafp8.checkpoint.errors import CheckpointError
+from megafp8.checkpoint.safe_dcp import entry_source
 
 BLOCK = 128
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -51,17 +54,24 @@ def guard_switched_hf_linears(switched: Iterable[str]) -> list[str]:
     return sorted(set(names), key=lambda n: (int(n.split(".")[2]), n))
 
 
-def read_guard_switched(checkpoint: Path, metadata: Mapping[str, Any]) -> list[str]:
-    """Every saved rank's guard-switched layers in a committed checkpoint (save_checkpoint's ``fp8_guard``)."""
-    from megafp8.checkpoint.save_load import _from_bytes, _single_process_quiet  # the checkpoint's own formats
+def read_guard_switched(checkpoint: Path, index: Metadata) -> list[str]:
+    """Every saved rank's guard-switched layers in a committed checkpoint (save_checkpoint's ``fp8_guard``), read
+    as plain data only; ``index``: its DCP metadata (``safe_dcp.read_metadata``)."""
+    from megafp8.checkpoint.save_load import _from_bytes, read_entries  # the checkpoint's own formats
 
-    ranks = sorted({key.split(".")[1] for key in metadata if key.startswith("fp8_guard.")})
-    if not ranks:
+    keys = sorted(key for key in index.state_dict_metadata if key.startswith("fp8_guard."))
+    if not keys:
         return []
-    state = {"fp8_guard": {rank: b"" for rank in ranks}}
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
-    return sorted({name for data in state["fp8_guard"].values() for name in _from_bytes(data).get("switched", [])})
+    state = {"fp8_guard": {key.split(".")[1]: b"" for key in keys}}
+    read_entries(state, checkpoint)
+    switched = set()
+    for key in keys:
+        source = entry_source(checkpoint, index, MetadataIndex(key))
+        names = _from_bytes(state["fp8_guard"][key.split(".")[1]], source).get("switched", [])
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise CheckpointError(f"{source}: 'switched' is not a list of layer names")
+        switched.update(names)
+    return sorted(switched)
 
 
 def fp8_linear_names(num_layers: int, saved_args: Mapping[str, Any], switched: Iterable[str] = ()) -> set[str]:

@@ -6,9 +6,9 @@ chunks each rank wrote, each byte entry, where they lie in the ``*.distcp`` file
 entry a ``torch.save`` blob) and, from Megatron-Core's ``dist_checkpointing.save`` up to 0.16, ``common.pt`` (the
 non-sharded state: ``args``, ``iteration``, ...); newer Megatron saves that common state as one more byte entry,
 ``common_state/shard_...``. Every pickle here goes through a restricted unpickler (``safe_unpickler``, plus
-torch's own DCP metadata dataclasses for ``.metadata``): Megatron's classes become inert placeholders. A tensor
-is read chunk by chunk into the region asked for (one layer of a tensor stacked over layers reads only that
-layer's chunks), so nothing is ever assembled beyond what is written next.
+torch's own DCP metadata dataclasses for ``.metadata``: ``safe_dcp.MetadataUnpickler``): Megatron's classes become
+inert placeholders. A tensor is read chunk by chunk into the region asked for (one layer of a tensor stacked over
+layers reads only that layer's chunks), so nothing is ever assembled beyond what is written next.
 """
 from __future__ import annotations
 
@@ -20,40 +20,14 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
-import torch.distributed.checkpoint.planner as dcp_planner
 
 from megafp8.checkpoint import safe_unpickler
 from megafp8.checkpoint.hf_files import ConversionError
+from megafp8.checkpoint.safe_dcp import METADATA_FILE, MetadataUnpickler
 
-METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
 COMMON_STATE_KEY = "common_state"
-
-
-def _dcp_metadata_classes() -> dict[str, Any]:
-    """The plain dataclasses and enums torch pickles into ``.metadata`` (which ones varies a little by version)."""
-    names = {dcp_metadata: ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"),
-             dcp_filesystem: ("_StorageInfo",),
-             dcp_planner: ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")}
-    return {f"{module.__name__}.{name}": getattr(module, name)
-            for module, module_names in names.items() for name in module_names if hasattr(module, name)}
-
-
-_DCP_CLASSES = _dcp_metadata_classes()
-
-
-class _MetadataUnpickler(safe_unpickler.Unpickler):
-    """The restricted unpickler that also builds torch's DCP metadata records (data holders, no behaviour)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _DCP_CLASSES.get(f"{module}.{name}")
-        if found is None:
-            return super().find_class(module, name)
-        self.globals_found.add(id(found))
-        return found
 
 
 def load_pickle_file(file: Path | IO[bytes], source: str) -> Any:
@@ -93,7 +67,7 @@ class DistCheckpoint:
                                   "last step writes .metadata); use an earlier iteration")
         try:
             with open(self.metadata_file, "rb") as file:
-                metadata = _MetadataUnpickler(file).load()
+                metadata = MetadataUnpickler(file).load()
         except Exception as e:  # noqa: BLE001 - a corrupt file can fail in many ways
             raise ConversionError(f"{self.metadata_file} is corrupt or truncated ({type(e).__name__}: {e})") from None
         entries = getattr(metadata, "state_dict_metadata", None)

@@ -5,6 +5,7 @@ One checkpoint holds the model (layout-free names, TP shards at global offsets),
 FP8 saturation guard's switches, the data position, the flags, and any replicated extra state (LR
 schedule, counters). It is written with torch.distributed.checkpoint into a temporary directory,
 checksummed, fsynced, committed by rename, and only then named in ``latest_checkpointed_iteration.txt``.
+Loading runs no code from the files (``safe_dcp``): a checkpoint someone else published is data, not a program.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from megafp8.checkpoint import atomic
 from megafp8.checkpoint.args_check import args_to_dict, check_args
@@ -33,6 +35,7 @@ from megafp8.checkpoint.errors import CheckpointError
 from megafp8.checkpoint.manifest import check_file, digest_file, read_manifest, write_manifest
 from megafp8.checkpoint.model_state import model_checkpoint_state, zero_vocab_padding_
 from megafp8.checkpoint.rng import capture_rng_state, restore_rng_state
+from megafp8.checkpoint.safe_dcp import SafeFileSystemReader, check_plain, entry_source, load_plain, read_metadata
 from megafp8.checkpoint.sharded_tensor import ShardedChunks, ShardedLoadPlanner, ShardedSavePlanner
 from megafp8.fp8 import ScalingState
 from megafp8.parallel.parallel_state import ParallelState
@@ -65,15 +68,21 @@ def _layout(ps: ParallelState) -> dict[str, int]:
             "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size, "world_size": ps.world_size}
 
 
-def _to_bytes(obj: Any) -> bytes:
+def _to_bytes(obj: Any, what: str) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
+    check_plain(buffer.getvalue(), what)  # what _from_bytes would refuse fails this save, not the resume
     return buffer.getvalue()
 
 
-def _from_bytes(data: bytes) -> Any:
-    # Our own pickles (RNG tuples, numpy state, python objects): DCP loads its byte items the same way.
-    return torch.load(io.BytesIO(data), weights_only=False)
+def _from_bytes(data: bytes, source: str) -> dict[str, Any]:
+    """A state dict megafp8 pickled (RNG tuples and numpy arrays, guard and extra state) as plain data only."""
+    if not isinstance(data, bytes):
+        raise CheckpointError(f"{source} holds a {type(data).__name__}, not the bytes megafp8 writes")
+    value = load_plain(data, source)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source} holds a {type(value).__name__}, not the dict megafp8 writes")
+    return value
 
 
 @contextlib.contextmanager
@@ -96,7 +105,8 @@ def _summarize(error: BaseException) -> str:
         for rank, failure in sorted(failures.items()):
             exc = failure[0] if isinstance(failure, tuple) else failure
             last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-            lines.append(f"rank {rank}: {type(exc).__name__}: {last_line}")
+            kind = "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "  # ours name the file
+            lines.append(f"rank {rank}: {kind}{last_line}")
         return "; ".join(dict.fromkeys(lines))
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[-1] if text else ''}"
@@ -130,12 +140,12 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
             atomic.remove_stale_temporaries(root)
             tmp.mkdir()
         state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state, overrides=model_overrides),
-                                 "rng": {_rank_key(rank): _to_bytes(capture_rng_state(rng_tracker))},
-                                 "extra": _to_bytes(dict(extra or {}))}
+                                 "rng": {_rank_key(rank): _to_bytes(capture_rng_state(rng_tracker), "RNG state")},
+                                 "extra": _to_bytes(dict(extra or {}), "extra")}
         if optimizer_state is not None:
             state["optimizer"] = optimizer_state
         if saturation_guard is not None:
-            state["fp8_guard"] = {_rank_key(rank): _to_bytes(saturation_guard.state_dict())}
+            state["fp8_guard"] = {_rank_key(rank): _to_bytes(saturation_guard.state_dict(), "saturation guard state")}
         return state
 
     state = run_agreed(prepare, f"preparing checkpoint {final}")
@@ -168,6 +178,17 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
 
     run_agreed(commit, f"committing checkpoint {final}")
     return final
+
+
+def read_entries(state: dict[str, Any], path: Path) -> None:
+    """One process's ``dcp.load`` of ``state`` (tensors filled in place, byte items replaced) from the committed
+    checkpoint ``path``, running no code from its files: the conversion tools' reader. Raises CheckpointError."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=ShardedLoadPlanner(checkpoint_dir=path),
+                     no_dist=True)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException carrying every traceback
+        raise CheckpointError(f"reading checkpoint {path} failed: {_summarize(e)}") from None
 
 
 def _resolve_iteration(root: Path, iteration: int | None) -> int | None:
@@ -225,10 +246,8 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
             raise CheckpointError(f"{path} has no optimizer state; start from its weights with --finetune, "
                                   "or skip the optimizer with --no-load-optim")
         model_state = model_checkpoint_state(model, parallel_state, params_only=finetune, overrides=model_overrides)
-        try:
-            saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
-            raise CheckpointError(f"{path / '.metadata'} is corrupt or unreadable ({type(e).__name__}: {e})") from None
+        metadata = read_metadata(path)  # the restricted unpickler: a crafted file is refused before anything runs
+        saved_keys = metadata.state_dict_metadata.keys()
         # FP8 turned on for a resumed BF16 run: scaling states the checkpoint lacks start cold, as in a new run.
         cold = [key for key in model_state if FP8_SCALING_MARK in key and f"model.{key}" not in saved_keys]
         for key in cold:
@@ -246,13 +265,13 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
             if saturation_guard is not None and "fp8_guard" in contents:
                 state["fp8_guard"] = {_rank_key(r): b"" for r in range(saved_layout["world_size"])}
         _raise_if_missing(state, saved_keys, path, saved_layout)
-        return state
+        return state, metadata
 
-    state = run_agreed(plan, f"loading {path}")
+    state, metadata = run_agreed(plan, f"loading {path}")
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardedLoadPlanner(),
-                     no_dist=size == 1)
+            dcp.load(state, storage_reader=SafeFileSystemReader(path),
+                     planner=ShardedLoadPlanner(checkpoint_dir=path), no_dist=size == 1)
     except (Exception, dcp.CheckpointException) as e:  # a BaseException, raised on every rank alike
         raise CheckpointError(f"loading checkpoint {path} failed: {_summarize(e)}") from None
 
@@ -262,14 +281,20 @@ def load_checkpoint(load_dir: str | Path, *, model: Models, parallel_state: Para
             for module in chunk.modules():
                 if isinstance(module, ScalingState):  # DCP wrote the histories in place, bypassing load_state_dict
                     module.history_loaded()
+
+        def source(key: str) -> str:  # the file an item came from, for the error a tampered item gives
+            return entry_source(path, metadata, MetadataIndex(key))
+
         if load_rng:
-            restore_rng_state(_from_bytes(state["rng"][_rank_key(rank)]), rng_tracker)
+            key = _rank_key(rank)
+            restore_rng_state(_from_bytes(state["rng"][key], source(f"rng.{key}")), rng_tracker)
         if "fp8_guard" in state:
-            _restore_guard(saturation_guard, [_from_bytes(b) for b in state["fp8_guard"].values()], model)
+            _restore_guard(saturation_guard, [_from_bytes(data, source(f"fp8_guard.{key}"))
+                                              for key, data in state["fp8_guard"].items()], model)
         return LoadedCheckpoint(
             path=path, iteration=0 if finetune else manifest["iteration"],
             consumed_samples=0 if finetune else manifest.get("consumed_samples", 0), saved_args=saved_args,
-            saved_layout=saved_layout, extra={} if finetune else _from_bytes(state["extra"]),
+            saved_layout=saved_layout, extra={} if finetune else _from_bytes(state["extra"], source("extra")),
             optimizer_loaded=load_optim, rng_restored=load_rng, messages=messages)
 
     return run_agreed(restore, f"restoring state from {path}")

@@ -11,8 +11,9 @@ Why not DTensor: DCP cannot express a rank owning two disjoint pieces of one ten
 ``_StridedShard`` saves wrong chunk metadata in torch <= 2.13 (transformers documents the same bug).
 DCP's ``_Checkpointable`` protocol (``__create_write_items__`` / ``__create_chunk_list__`` /
 ``__get_tensor_shard__``) states the chunks explicitly, needs no DeviceMesh and no collective to build,
-and works the same with gloo on CPU and NCCL on GPU. The two planner subclasses below only teach DCP's
-default planners to look these objects up (their documented extension points).
+and works the same with gloo on CPU and NCCL on GPU. The two planner subclasses below teach DCP's default
+planners to look these objects up (their documented extension points), and keep byte items (python values) to
+plain data: DCP's default loads them with ``weights_only=False``, which would run code from the file.
 
 Constructors for the three kinds of sharded state in megafp8:
 - ``tensor_parallel_state``: a TP shard of a tagged parameter, or any tensor of the shard's shape
@@ -23,14 +24,20 @@ Constructors for the three kinds of sharded state in megafp8:
 """
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
+
+from megafp8.checkpoint.safe_dcp import check_plain, entry_source, load_plain
 
 
 class ShardedChunks:
@@ -87,7 +94,8 @@ class ShardedChunks:
 
 
 class ShardedSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, able to look up ``ShardedChunks`` chunks."""
+    """DCP's default save planner, able to look up ``ShardedChunks`` chunks; a python value that would not load
+    back as plain data (``ShardedLoadPlanner`` refuses anything else) fails the save, naming its key."""
 
     def lookup_object(self, index: MetadataIndex) -> object:
         obj = self.state_dict.get(index.fqn)
@@ -95,9 +103,20 @@ class ShardedSavePlanner(DefaultSavePlanner):
             return obj.__get_tensor_shard__(index)
         return super().lookup_object(index)
 
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        data = super().transform_object(write_item, object)
+        if write_item.type == WriteItemType.BYTE_IO:
+            check_plain(data.getvalue(), f"checkpoint entry {write_item.index.fqn!r}")
+        return data
+
 
 class ShardedLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, able to look up ``ShardedChunks`` chunks."""
+    """DCP's default load planner, able to look up ``ShardedChunks`` chunks, and loading byte items as plain
+    data only (``load_plain``); ``checkpoint_dir``: the directory read, for messages."""
+
+    def __init__(self, *args: Any, checkpoint_dir: str | Path | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else Path(".")
 
     def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         # The default first runs _init_state_dict (materializing meta tensors), which replaces every leaf
@@ -112,6 +131,10 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         if isinstance(obj, ShardedChunks):
             return obj.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        source = entry_source(self.checkpoint_dir, self.metadata, read_item.storage_index)
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], load_plain(value, source))
 
 
 # ---- how megafp8's shards map to global coordinates -----------------------------------------------
