@@ -11,8 +11,9 @@ import sys
 
 import torch.distributed as dist
 
-from megafp8.data.builder import parse_data_path
+from megafp8.data.builder import default_cache_dir, parse_data_path
 from megafp8.data.indexed_dataset import IndexedDataset
+from megafp8.data.token_range import token_range_error
 from megafp8.parallel.parallel_state import LayoutError, initialize_distributed
 from megafp8.training.arguments import parse_and_check
 from megafp8.training.data_setup import tokenizer_vocab_size, training_length_errors
@@ -31,7 +32,8 @@ def _fail(message: str) -> int:
 
 def input_errors(args) -> tuple[int | None, list[str]]:
     """(the tokenizer's vocabulary size, every problem with the tokenizer, the data prefixes and their indexes,
-    the test hook); cheap: each index is opened and checked, no data is read."""
+    the test hook); cheap: each index is opened and checked, and each .bin's token id range is read once (then
+    cached beside the index arrays)."""
     errors: list[str] = []
     vocab_size = None
     if args.tokenizer_model is not None or (args.tokenizer_type == "NullTokenizer" and args.vocab_size is not None):
@@ -51,6 +53,11 @@ def input_errors(args) -> tuple[int | None, list[str]]:
                 IndexedDataset(prefix)  # a truncated or corrupt .idx/.bin: one line here, not a traceback later
             except ValueError as e:
                 errors.append(f"--data-path {prefix}: {e}")
+                continue
+            if vocab_size is not None:  # ids past the vocabulary would train silently (masked or padding rows)
+                error = token_range_error(prefix, vocab_size, default_cache_dir(prefix))
+                if error:
+                    errors.append(error)
         if prefixes and len(errors) == first_data_error:  # the data opens: does it last --train-iters/-samples?
             errors += training_length_errors(args)
     if os.environ.get("MEGAFP8_FORCE_FP8_OVERFLOW"):  # a test hook (megafp8/fp8/forced_overflow.py)

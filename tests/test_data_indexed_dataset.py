@@ -177,3 +177,28 @@ def test_we_read_megatron_files(tmp_path):
     for ext in (".bin", ".idx"):
         with open(prefix + ext, "rb") as f, open(str(tmp_path / "ours") + ext, "rb") as g:
             assert f.read() == g.read(), ext
+
+
+def test_token_id_range_is_read_once_and_cached(tmp_path, monkeypatch):
+    """token_range_error: the smallest and largest id over every chunk of the .bin, checked against the
+    vocabulary; the second start reads the cached verdict (keyed by the dataset's fingerprint), not the data."""
+    from megafp8.data import token_range
+
+    prefix = str(tmp_path / "ids")
+    with IndexedDatasetWriter(prefix, np.int32) as writer:
+        writer.add_document(np.array([5, 7, 9], dtype=np.int32))
+        writer.add_document(np.array([1, 4242, 3], dtype=np.int32))
+        writer.finalize()
+    assert IndexedDataset(prefix).token_id_range(chunk=2) == (1, 4242)
+    cache = str(tmp_path / "cache")
+    assert token_range.token_range_error(prefix, 4243, cache) is None
+    monkeypatch.setattr(IndexedDataset, "token_id_range", lambda self, chunk=0: pytest.fail("read the data again"))
+    error = token_range.token_range_error(prefix, 1000, cache)
+    assert error == (f"--data-path {prefix}: token id 4242 is past the tokenizer's vocabulary (1000 ids: 0 .. 999); "
+                     "was it preprocessed with another tokenizer or --vocab-size?")
+    monkeypatch.undo()
+    negative = str(tmp_path / "negative")
+    with IndexedDatasetWriter(negative, np.int32) as writer:
+        writer.add_document(np.array([3, -1], dtype=np.int32))
+        writer.finalize()
+    assert "token id -1 is negative" in token_range.token_range_error(negative, 1000, None)

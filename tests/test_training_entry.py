@@ -70,3 +70,26 @@ def test_fp8_run_writes_per_layer_telemetry_to_tensorboard(text_prefix, tmp_path
     saturated = [t for t in tags if t.startswith("fp8/") and "linear_fc1/input/" in t]
     assert saturated, tags  # per layer and role, at the logged iterations 2 and 4
     assert [e.step for e in events.Scalars(saturated[0])] == [2, 4]
+
+
+@pytest.mark.parametrize("vocab_size, tp", [(300, 2), (590, 1)])
+def test_token_ids_past_the_vocabulary_fail_before_training(text_prefix, tmp_path, vocab_size, tp):
+    """Data tokenized with a 600-piece SentencePiece model, trained as --vocab-size N: at TP=2 the vocab-parallel
+    embedding would mask the foreign ids to row 0 and train silently; at TP=1 ids 590..599 would land in the
+    padding rows (590 + eod padded to 640). One line naming the prefix and the id, exit 2, before any process group;
+    the verdict is cached beside the index arrays for the next start."""
+    import glob
+
+    prefix, _ = text_prefix
+    # Rank 0 of a 2-process torchrun job (the checks run before any process group, so no peer is needed).
+    result = subprocess.run([sys.executable, "-m", "megafp8.pretrain", *MODEL, "--data-path", prefix, "--tokenizer-type",
+                             "NullTokenizer", "--vocab-size", str(vocab_size), "--train-iters", "2",
+                             "--global-batch-size", str(4 * 2 // tp), "--tensor-model-parallel-size", str(tp),
+                             "--log-dir", str(tmp_path / "logs")], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"--data-path {prefix}: token id 599 is past the tokenizer's vocabulary ({vocab_size + 1} ids" \
+        in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "logs" / "metrics.jsonl").exists()
+    cached = glob.glob(os.path.join(os.path.dirname(prefix), "cache", "*-token-range.json"))
+    assert len(cached) == 1 and json.load(open(cached[0]))["max"] == 599

@@ -181,6 +181,15 @@ class IndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
+    def token_id_range(self, chunk: int = 1 << 24) -> tuple[int, int]:
+        """(smallest, largest) token id in the .bin, read in chunks (bounded memory); (0, -1) when empty."""
+        low, high = 0, -1
+        for start in range(0, len(self._tokens), chunk):
+            block = self._tokens[start:start + chunk]
+            low, high = (int(block.min()), int(block.max())) if high < 0 else (
+                min(low, int(block.min())), max(high, int(block.max())))
+        return low, high
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset : offset + length`` of sequence ``idx`` (a view into the mapped file)."""
         seq_len = int(self.sequence_lengths[idx])
