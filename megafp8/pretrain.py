@@ -11,6 +11,7 @@ import sys
 
 import torch.distributed as dist
 
+from megafp8.checkpoint.atomic import save_dir_error
 from megafp8.data.builder import default_cache_dir, parse_data_path
 from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.data.token_range import token_range_error
@@ -60,6 +61,10 @@ def input_errors(args) -> tuple[int | None, list[str]]:
                     errors.append(error)
         if prefixes and len(errors) == first_data_error:  # the data opens: does it last --train-iters/-samples?
             errors += training_length_errors(args)
+    if args.save is not None:
+        error = save_dir_error(args.save)
+        if error:
+            errors.append(error)
     if os.environ.get("MEGAFP8_FORCE_FP8_OVERFLOW"):  # a test hook (megafp8/fp8/forced_overflow.py)
         from megafp8.fp8.forced_overflow import check_forced_overflow
 

@@ -257,3 +257,18 @@ def test_fp8_turned_on_at_resume_starts_cold_scaling_states(tmp_path):
     for name, buf in fp8_run.state_dict().items():
         if name.endswith("amax_history"):
             assert torch.all(buf == 0), name
+
+
+def test_keep_last_never_deletes_an_iter_directory_megafp8_did_not_write(tmp_path):
+    """--keep-last prunes megafp8's checkpoints (a manifest inside); a user's iter_* folder without one stays."""
+    from megafp8.checkpoint.atomic import MANIFEST_FILE, iteration_dir, prune_checkpoints
+
+    for it in (1, 2, 3, 4):
+        directory = iteration_dir(tmp_path, it)
+        directory.mkdir()
+        if it != 1:  # iter_0000001 is the user's own folder
+            (directory / MANIFEST_FILE).write_text("{}")
+        (directory / "data.txt").write_text(str(it))
+    removed = prune_checkpoints(tmp_path, keep_last=1, protect=4)
+    assert sorted(p.name for p in removed) == ["iter_0000002", "iter_0000003"]
+    assert (iteration_dir(tmp_path, 1) / "data.txt").read_text() == "1" and iteration_dir(tmp_path, 4).is_dir()

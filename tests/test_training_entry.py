@@ -46,6 +46,20 @@ def test_single_process_training_learns_and_logs(text_prefix, tmp_path):
     (["--num-attention-heads", "5"], "--num-attention-heads"),
     (["--data-path", "/nonexistent/prefix"], "/nonexistent/prefix"),
     (["--fp8-recipe", "delayed", "--first-last-layers-bf16"], "--first-last-layers-bf16 needs --fp8-format"),
+    # Issue 38: tracebacks after the model was built, or nonsense trained with exit 0
+    (["--split", "0,0,0"], "--split '0,0,0': expected up to three non-negative numbers with a positive sum"),
+    (["--split", "abc"], "--split 'abc': expected up to three comma-separated numbers"),
+    (["--split", "nan,1,1"], "--split 'nan,1,1': expected up to three non-negative numbers"),
+    (["--init-method-std", "-1"], "--init-method-std must be positive, got -1.0"),
+    (["--init-method-std", "nan"], "--init-method-std must be a finite number, got nan"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number, got nan"),
+    (["--norm-epsilon", "-1"], "--norm-epsilon must be positive, got -1.0"),
+    (["--rotary-base", "0"], "--rotary-base must be positive, got 0.0"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number, got inf"),
+    (["--adam-eps", "nan"], "--adam-eps must be a finite number, got nan"),
+    (["--data-path", "1e308", "A", "1e308", "B"], "--data-path weights must be positive numbers with a finite sum"),
+    (["--save", "README.md"], "--save README.md: exists and is not a directory"),
+    (["--save", "README.md/checkpoints"], "--save README.md/checkpoints: README.md is not a directory"),
 ])
 def test_bad_input_fails_before_training_naming_the_cause(text_prefix, flags, message):
     prefix, tokenizer = text_prefix

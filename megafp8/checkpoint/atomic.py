@@ -106,12 +106,30 @@ def commit_directory(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def save_dir_error(root: str | os.PathLike) -> str | None:
+    """Why ``--save root`` could not take a checkpoint (not a directory, under a file, not writable), checked before
+    training: the first save is iterations away, and failing there loses the run's work. None when it can."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        return f"--save {root}: exists and is not a directory"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"--save {root}: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--save {root}: {existing} is not writable"
+    return None
+
+
 def prune_checkpoints(root: str | os.PathLike, keep_last: int, protect: int) -> list[Path]:
-    """Delete committed checkpoints older than the ``keep_last`` newest; never ``protect`` (the one the
-    tracker names). Called only after the new checkpoint and the tracker are committed."""
+    """Delete committed checkpoints older than the ``keep_last`` newest (counting only directories holding
+    megafp8's manifest; nothing else is touched); never ``protect`` (the one the tracker names). Called only after
+    the new checkpoint and the tracker are committed."""
     if keep_last < 1:
         raise CheckpointError(f"--keep-last must be >= 1, got {keep_last}")
-    iterations = committed_iterations(root)
+    # Only directories megafp8 wrote (their manifest is there): an iter_* folder of anything else is the user's.
+    iterations = [it for it in committed_iterations(root) if (iteration_dir(root, it) / MANIFEST_FILE).is_file()]
     doomed = [it for it in iterations[:-keep_last] if it != protect] if len(iterations) > keep_last else []
     removed = []
     for it in doomed:

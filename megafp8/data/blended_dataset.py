@@ -20,8 +20,8 @@ _INDEX_VERSION = 2  # bump when the blending changes, so old caches are not reus
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     """Weights divided by their sum in float64, as Megatron's ``normalize`` (the blend depends on the bits)."""
     weights = np.asarray(weights, dtype=np.float64)
-    if len(weights) == 0 or np.any(~np.isfinite(weights)) or np.any(weights <= 0):
-        raise ValueError(f"--data-path weights must be positive numbers, got {list(weights)}")
+    if len(weights) == 0 or np.any(~np.isfinite(weights)) or np.any(weights <= 0) or not np.isfinite(weights.sum()):
+        raise ValueError(f"--data-path weights must be positive numbers with a finite sum, got {list(weights)}")
     return weights / weights.sum()
 
 

@@ -17,7 +17,7 @@ def parse_split(split: str) -> list[float]:
         weights = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"--split {split!r}: expected up to three comma-separated numbers, e.g. 969,30,1") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if not 1 <= len(weights) <= 3 or not all(0 <= w < float("inf") for w in weights) or not 0 < sum(weights) < float("inf"):
         raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
     weights += [0.0] * (3 - len(weights))
     # numpy's float64 division, as Megatron's normalize(): the bookends below must round identically.

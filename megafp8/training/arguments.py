@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Sequence
 
@@ -348,6 +349,23 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
                  "lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "fp8_margin", "first_last_layers_bf16"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             errors.append(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    # A NaN passes every comparison above (and --clip-grad nan silently meant no clipping): floats are finite.
+    float_flags = {a.dest: a.option_strings[0] for a in build_parser()._actions if a.type is float}
+    for dest, flag in float_flags.items():
+        value = getattr(args, dest, None)
+        if value is not None and not math.isfinite(value):
+            errors.append(f"{flag} must be a finite number, got {value}")
+    for name in ("norm_epsilon", "rotary_base", "init_method_std"):
+        value = getattr(args, name)
+        if math.isfinite(value) and value <= 0:
+            errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.data_path:
+        from megafp8.data.splits import parse_split
+
+        try:
+            parse_split(args.split)
+        except ValueError as e:
+            errors.append(str(e))
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
