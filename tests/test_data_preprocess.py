@@ -270,3 +270,47 @@ def test_merge_errors_name_the_missing_directory_or_prefix(tmp_path, small_corpu
                       "--output-prefix", str(tmp_path / "a_text_document.bin" / "merged"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"{tmp_path / 'a_text_document.bin'} is a file" in result.stderr
+
+
+HOSTILE_LINES = [
+    '{"text": "1 2"}',
+    '{"text": "-1 65535 70000"}',       # NullTokenizer ids outside 0 .. 20: stored as uint16 they wrapped
+    '{"text": "3 abc"}',                # not an id
+    '{"text": "' + "9" * 23 + '"}',     # a 23-digit integer
+    '{"text": "a\\ud800b"}',            # valid JSON, a lone surrogate: no tokenizer takes it
+    "[" * 200_000,                      # valid-looking JSON nested past the parser's recursion limit
+    '{"text": "4 5"}',
+]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_hostile_lines_are_skipped_or_fatal_with_one_line_through_the_tool(tmp_path, workers):
+    """Issue 38 items 3 and 7: bad ids, non-ids, a lone surrogate and deep nesting are bad lines like any other
+    (skipped and reported, or one error line under --strict), never a traceback or a wrapped id."""
+    path = write_lines(tmp_path / "hostile.jsonl", HOSTILE_LINES)
+    args = ["--input", path, "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "20", "--append-eod", "--workers", str(workers)]
+    result = run_tool("preprocess_data.py", *args)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert _docs(str(tmp_path / "out_text_document")) == [[1, 2, 20], [4, 5, 20]]
+    for expected in ("the tokenizer refused it: line 2", "token id -1 is outside the vocabulary (0 .. 20",
+                     "line 3 ('text': 'abc' is not a token id", "line 4 ('text': token id 99999999999999999999999",
+                     "not valid UTF-8: line 5",
+                     "malformed JSON: line 6 (nested too deeply)"):
+        assert expected in result.stderr, (expected, result.stderr[-3000:])
+    for bad in (2, 5, 6):
+        lines = [HOSTILE_LINES[0], HOSTILE_LINES[bad - 1]]
+        one = write_lines(tmp_path / f"one{bad}.jsonl", lines)
+        result = run_tool("preprocess_data.py", *args[:1], one, *args[2:3], str(tmp_path / f"strict{bad}"),
+                          *args[4:], "--strict")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert f"one{bad}.jsonl:2: " in result.stderr
+        assert not any(p.name.startswith(f"strict{bad}") for p in tmp_path.iterdir())
+
+
+def test_a_repeated_json_key_is_refused(tmp_path):
+    path = write_lines(tmp_path / "doc.jsonl", [HOSTILE_LINES[0]])
+    result = run_tool("preprocess_data.py", "--input", path, "--output-prefix", str(tmp_path / "out"), "--json-keys",
+                      "text", "text", "--tokenizer-type", "NullTokenizer", "--vocab-size", "20")
+    assert result.returncode != 0 and "--json-keys text text: 'text' given more than once" in result.stderr
+    assert "Traceback" not in result.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["doc.jsonl"]

@@ -35,6 +35,7 @@ PROBLEM_KINDS = {
     "missing_key": "missing key",
     "not_string": "value is not a string",
     "empty": "empty document",
+    "untokenizable": "the tokenizer refused it",
 }
 _EXAMPLES_PER_KIND = 5
 _CHUNK_BYTES = 1 << 20
@@ -167,6 +168,9 @@ def parse_chunk(index: int, data: bytes, keys: Sequence[str]) -> ParsedChunk:
         except ValueError as exc:
             _problem(parsed, "malformed_json", line_number, str(exc))
             continue
+        except RecursionError:  # e.g. 200,000 '[': valid JSON nests too deep for the parser
+            _problem(parsed, "malformed_json", line_number, "nested too deeply")
+            continue
         if not isinstance(record, dict):
             _problem(parsed, "malformed_json", line_number, f"a JSON {type(record).__name__}, not an object")
             continue
@@ -179,10 +183,34 @@ def parse_chunk(index: int, data: bytes, keys: Sequence[str]) -> ParsedChunk:
                 _problem(parsed, "not_string", line_number, f"{key!r} is {type(value).__name__}")
             elif not value:
                 _problem(parsed, "empty", line_number, repr(key))
+            elif not value.isascii() and not _encodable(value):
+                _problem(parsed, "not_utf8", line_number, f"{key!r} holds a lone surrogate (valid JSON, not text)")
             else:
                 parsed.texts[key].append(value)
                 parsed.text_lines[key].append(line_number)
     return parsed
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _tokenizable(parsed: ParsedChunk, key: str, tokenizer: Tokenizer) -> None:
+    """After the batch encode failed: try each text alone, and turn those the tokenizer refuses into problems
+    (skipped, or fatal under --strict) instead of one traceback for the whole range."""
+    keep = []
+    for text, line in zip(parsed.texts[key], parsed.text_lines[key]):
+        try:
+            tokenizer.tokenize(text)
+            keep.append((text, line))
+        except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+            _problem(parsed, "untokenizable", line, f"{key!r}: {str(exc)[:200]}")
+    parsed.texts[key] = [text for text, _ in keep]
+    parsed.text_lines[key] = [line for _, line in keep]
 
 
 def _problem(chunk: ParsedChunk, kind: str, line: int, detail: str) -> None:
@@ -191,15 +219,22 @@ def _problem(chunk: ParsedChunk, kind: str, line: int, detail: str) -> None:
         chunk.problems.append((kind, line, detail))
 
 
+def _encode(texts: Sequence[str], tokenizer: Tokenizer, dtype: np.dtype, num_threads: int):
+    if not texts:
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
+    return tokenizer.tokenize_arrays(texts, num_threads)
+
+
 def tokenize_chunk(parsed: ParsedChunk, tokenizer: Tokenizer, append_eod: bool, dtype: np.dtype,
                    num_threads: int = 1) -> ChunkResult:
     """Tokenize every text of a parsed range in one batch per key; flat tokens + lengths per key."""
     tokens, lengths = {}, {}
-    for key, texts in parsed.texts.items():
-        if texts:
-            flat, key_lengths = tokenizer.tokenize_arrays(texts, num_threads)
-        else:
-            flat, key_lengths = np.zeros(0, dtype), np.zeros(0, np.int64)
+    for key in parsed.texts:
+        try:
+            flat, key_lengths = _encode(parsed.texts[key], tokenizer, dtype, num_threads)
+        except (ValueError, TypeError, OverflowError, RuntimeError):
+            _tokenizable(parsed, key, tokenizer)
+            flat, key_lengths = _encode(parsed.texts[key], tokenizer, dtype, num_threads)
         if len(key_lengths) and not key_lengths.all():
             # Text that tokenizes to nothing would become a document of only an EOD: skip it as empty.
             for i in np.flatnonzero(key_lengths == 0):
@@ -297,6 +332,9 @@ def preprocess(
         raise PreprocessError("--append-eod: the tokenizer has no end-of-document (eos) token")
     if not json_keys:
         raise PreprocessError("--json-keys: give at least one key")
+    repeated = sorted({key for key in json_keys if list(json_keys).count(key) > 1})
+    if repeated:  # each key writes one dataset: a repeated key would write every document twice
+        raise PreprocessError(f"--json-keys {' '.join(json_keys)}: {', '.join(map(repr, repeated))} given more than once")
     check_output_prefix(output_prefix)
 
     # Without --partition-index the whole file is streamed; --partitions then only exists for Megatron

@@ -190,7 +190,17 @@ class NullTokenizer(Tokenizer):
         self.pad = self.eod
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
+        ids = []
+        for word in text.split():
+            try:
+                token = int(word)
+            except ValueError:
+                raise ValueError(f"{word[:40]!r} is not a token id (NullTokenizer text is space-separated ids)") from None
+            if not 0 <= token < self.vocab_size:  # stored as is, an id past the dtype would wrap
+                raise ValueError(f"token id {token} is outside the vocabulary (0 .. {self.vocab_size - 1}, "
+                                 f"--vocab-size {self.eod} and the end-of-document id)")
+            ids.append(token)
+        return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
