@@ -41,6 +41,19 @@ def _reshape_tensor(hf: Path, name: str) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+def _negative_offsets(hf: Path) -> None:
+    """The first tensor's bytes moved to [-256, 0): the header's own bytes (issue 38's repro)."""
+    import struct
+
+    raw = (hf / SHARD).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"] = [-256, 0]
+    text = json.dumps(header).encode()
+    (hf / SHARD).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+
+
 def _truncate(hf: Path) -> None:
     path = hf / SHARD
     os.truncate(path, path.stat().st_size - 100)
@@ -70,6 +83,7 @@ CASES = {
     "non-divisible target PP": (lambda hf: None, ["--target-pipeline-parallel-size", "3"],
                                 "--target-pipeline-parallel-size 3 does not divide num_hidden_layers (2)"),
     "truncated safetensors": (_truncate, [], SHARD),
+    "negative data_offsets": (_negative_offsets, [], f"{SHARD} is truncated or not a safetensors file"),
 }
 
 

@@ -91,9 +91,15 @@ class HfTensors:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise ValueError("weight_map must map tensor names to file names")
+            except (ValueError, KeyError, TypeError) as e:
                 raise ConversionError(f"{index} is corrupt ({type(e).__name__}: {e})") from None
             files = sorted(set(weight_map.values()))
+            # A file name, not a path: nothing outside --load-dir is read ('/etc/x', '../x', 'a/../../x').
+            outside = [f for f in files if Path(f).name != f or f in (".", "..")]
+            if outside:
+                raise ConversionError(f"{index} names {outside[0]!r}: the shards must be files in {directory}")
         else:
             files, weight_map = sorted(p.name for p in directory.glob("*.safetensors")), None
             if not files:
@@ -134,24 +140,65 @@ class HfTensors:
         return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
 
 
+# Bytes per element of every dtype the safetensors format names (the library's list), for its size checks.
+_SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                         "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+_MAX_HEADER_BYTES = 100_000_000  # the library's limit
+
+
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """A safetensors file's header and the offset its data starts at; checks the file holds all the data."""
+    """A safetensors file's header and the offset its data starts at, accepted exactly when the safetensors library
+    accepts the file (its rules: a JSON object under 100 MB; per tensor a known dtype, a shape of non-negative
+    integers and integer offsets; the tensors' byte ranges tile the data with no gap or overlap, each as long as its
+    shape and dtype say, and end at the end of the file)."""
     if not path.exists():
         raise ConversionError(f"{path} is missing (listed in {INDEX_FILE})")
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > size - 8:
+            if length > _MAX_HEADER_BYTES or length > size - 8:
                 raise ValueError(f"header of {length} bytes in a file of {size}")
-            header = json.loads(f.read(length))
-        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            text = f.read(length)
+        if not text.startswith(b"{"):
+            raise ValueError("the header is not a JSON object")
+        header = json.loads(text)
+        end = _validate_entries(header)
+    except (struct.error, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ConversionError(f"{path} is truncated or not a safetensors file ({e})") from None
-    if 8 + length + max(ends, default=0) > size:
-        raise ConversionError(f"{path} is truncated: its header lists {8 + length + max(ends)} bytes, the file has "
-                              f"{size}")
+    if 8 + length + end != size:
+        raise ConversionError(f"{path} is truncated or has trailing bytes: its header lists {8 + length + end} bytes, "
+                              f"the file has {size}")
     return header, 8 + length
+
+
+def _validate_entries(header: Any) -> int:
+    """The data's length if every entry is well formed and the byte ranges tile [0, length); else ValueError."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("__metadata__ must map names to strings")
+    ranges = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_ITEMSIZE:
+            raise ValueError(f"{name!r}: not a tensor entry with a known dtype")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{name!r}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+            raise ValueError(f"{name!r}: data_offsets {offsets!r} is not two non-negative integers")
+        ranges.append((offsets[0], offsets[1], math.prod(shape) * _SAFETENSORS_ITEMSIZE[entry["dtype"]], name))
+    position = 0
+    for begin, end, nbytes, name in sorted(ranges):
+        if begin != position or end < begin:
+            raise ValueError(f"{name!r}: data_offsets [{begin}, {end}] overlap another tensor or leave a gap")
+        if end - begin != nbytes:
+            raise ValueError(f"{name!r}: {end - begin} bytes for a tensor of {nbytes}")
+        position = end
+    return position
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
