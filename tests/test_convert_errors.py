@@ -84,6 +84,17 @@ CASES = {
                                 "--target-pipeline-parallel-size 3 does not divide num_hidden_layers (2)"),
     "truncated safetensors": (_truncate, [], SHARD),
     "negative data_offsets": (_negative_offsets, [], f"{SHARD} is truncated or not a safetensors file"),
+    # Issue 38: sizes from a header are cross-checked before anything is allocated; nonsense values are one line
+    "a billion layers": (lambda hf: _edit_config(hf, num_hidden_layers=10**9), [],
+                         "num_hidden_layers 1000000000, but its safetensors files hold 2 layers"),
+    "rope_theta 0": (lambda hf: _edit_config(hf, rope_theta=0), [], "rope_theta 0 must be a positive number"),
+    "rms_norm_eps -1": (lambda hf: _edit_config(hf, rms_norm_eps=-1), [], "rms_norm_eps -1 must be a positive number"),
+    "max_position_embeddings 0": (lambda hf: _edit_config(hf, max_position_embeddings=0), [],
+                                  "max_position_embeddings 0 must be a positive integer"),
+    "num_attention_heads 0": (lambda hf: _edit_config(hf, num_attention_heads=0), [],
+                              "num_attention_heads 0 must be a positive integer"),
+    "hidden_size a string": (lambda hf: _edit_config(hf, hidden_size="64"), [],
+                             "hidden_size '64' must be a positive integer"),
 }
 
 
@@ -105,6 +116,15 @@ def test_hf_input_errors_name_the_cause_and_write_nothing(case, pristine, tmp_pa
 def test_megafp8_input_errors(pristine, tmp_path):
     assert convert("--load-format", "hf", "--save-format", "megafp8", "--load-dir", pristine,
                    "--save-dir", tmp_path / "m8").returncode == 0
+    manifest_path = tmp_path / "m8" / "iter_0000000" / "megafp8_checkpoint.json"
+    manifest = manifest_path.read_text()
+    huge = json.loads(manifest)
+    huge["args"]["num_layers"] = 10**9  # sized from before anything is allocated: one line, not gigabytes
+    manifest_path.write_text(json.dumps(huge))
+    result = convert("--load-format", "megafp8", "--save-format", "hf", "--load-dir", tmp_path / "m8",
+                     "--save-dir", tmp_path / "out")
+    assert result.returncode == 1 and "num_layers 1000000000, but the checkpoint holds 2 layers" in result.stderr
+    manifest_path.write_text(manifest)
     data = next((tmp_path / "m8" / "iter_0000000").glob("*.distcp"))
     os.truncate(data, data.stat().st_size - 10)
     result = convert("--load-format", "megafp8", "--save-format", "hf", "--load-dir", tmp_path / "m8",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from megafp8.checkpoint.atomic import iteration_dir, read_tracker
+from megafp8.checkpoint.atomic import MANIFEST_FILE, iteration_dir, read_tracker
 from megafp8.checkpoint.fp8_export import (BLOCK, RECIPE_KEY, fp8_linear_names, quantization_config,
                                            quantize_blockwise, read_guard_switched, training_recipe)
 from megafp8.checkpoint.hf_files import (ConversionError, HfTensors, ShardedSafetensorsWriter, atomic_output_dir,
@@ -147,6 +148,8 @@ def hf_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, target_tp: int 
     config = model_config_from_hf_dict(read_hf_config(load_dir), str(load_dir / "config.json"))
     check_target_layout(config, target_tp, target_pp)
     hf = HfTensors(load_dir)
+    _check_layer_count(config.num_layers, hf.location, r"model\.layers\.(\d+)\.", load_dir / "config.json",
+                       "num_hidden_layers", "its safetensors files hold")
     expected = hf_shapes(config)
     for name, shape in expected.items():  # headers only: every problem is found before anything is written
         if hf.shape(name) != shape:
@@ -201,6 +204,14 @@ def write_streamed_checkpoint(save_dir: Path, config: ModelConfig,
 
 
 # ---- megafp8 -> HF ---------------------------------------------------------------------------------
+
+def _check_layer_count(declared: int, names, pattern: str, source: Path, field: str, holder: str) -> None:
+    """The layer count a config or manifest declares, against the layers the tensors hold, before anything is sized
+    from it (a num_hidden_layers of 10^9 in a 700-byte config.json allocated gigabytes)."""
+    present = {int(m.group(1)) for name in names if (m := re.match(pattern, name))}
+    if declared != len(present):
+        raise ConversionError(f"{source}: {field} {declared}, but {holder} {len(present)} layers")
+
 
 def _checkpoint_path(load_dir: Path, iteration: int | None) -> Path:
     if iteration is None:
@@ -309,6 +320,8 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     if not isinstance(embedding, TensorStorageMetadata):
         raise ConversionError(f"{reader.path}: tensor 'embedding.weight' is missing from the checkpoint")
     config = _config_from_manifest(reader.manifest.get("args", {}), embedding.size[0], reader.path)
+    _check_layer_count(config.num_layers, reader.metadata, r"model\.layers\.(\d+)\.", reader.path / MANIFEST_FILE,
+                       "num_layers", "the checkpoint holds")
     dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" else save_dtype]
     expected = hf_shapes(config)
     hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -44,11 +44,38 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
         raise ConversionError(f"{path} is not valid JSON ({e})") from None
 
 
+_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _invalid_sizes(config: Mapping[str, Any]) -> list[str]:
+    """Fields whose value no Llama has (a missing, zero or non-integer size; a non-positive epsilon or theta)."""
+    def positive_int(value) -> bool:
+        return type(value) is int and value > 0
+
+    def positive_float(value) -> bool:
+        return type(value) in (int, float) and math.isfinite(value) and value > 0
+
+    problems = [f"{key} {config.get(key)!r} must be a positive integer" for key in _POSITIVE_INTS
+                if not positive_int(config.get(key))]
+    for key, default, check, what in (("num_key_value_heads", config.get("num_attention_heads"), positive_int,
+                                       "a positive integer"),
+                                      ("max_position_embeddings", 2048, positive_int, "a positive integer"),
+                                      ("rms_norm_eps", 1e-6, positive_float, "a positive number"),
+                                      ("rope_theta", 10000.0, positive_float, "a positive number")):
+        value = config.get(key, default)
+        if value is not None and not check(value) and not (key == "num_key_value_heads" and problems):
+            problems.append(f"{key} {value!r} must be {what}")
+    return problems
+
+
 def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelConfig:
     """The ModelConfig of a Llama config.json; any architecture megafp8 cannot reproduce is a ConversionError."""
     if config.get("model_type") != "llama":
         raise ConversionError(f"{source}: model_type {config.get('model_type')!r} is not supported "
                               "(megafp8 converts Llama checkpoints: model_type 'llama')")
+    invalid = _invalid_sizes(config)
+    if invalid:
+        raise ConversionError(f"{source}: {'; '.join(invalid)}")
     problems = [f"{key}={config[key]!r}" for key, allowed in _UNSUPPORTED.items()
                 if key in config and config[key] not in allowed]
     heads = config.get("num_attention_heads")
