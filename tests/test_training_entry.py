@@ -107,3 +107,34 @@ def test_token_ids_past_the_vocabulary_fail_before_training(text_prefix, tmp_pat
     assert "Traceback" not in result.stderr and not (tmp_path / "logs" / "metrics.jsonl").exists()
     cached = glob.glob(os.path.join(os.path.dirname(prefix), "cache", "*-token-range.json"))
     assert len(cached) == 1 and json.load(open(cached[0]))["max"] == 599
+
+
+def test_a_damaged_index_cache_is_rebuilt_not_trained_on(text_prefix, tmp_path):
+    """Issue 38 item 8: every cached index array (shuffle, sample and document indices) overwritten with zeros of
+    the same size, or truncated: the next run says so, rebuilds them and trains on exactly the first run's samples."""
+    import glob
+
+    prefix, tokenizer = text_prefix
+    flags = [*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "3", "--eval-iters", "0"]
+
+    def losses(run):
+        result = _pretrain(*flags, "--log-dir", str(tmp_path / run))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [r["lm_loss"] for r in _records(tmp_path / run)], result.stderr
+
+    first, _ = losses("first")
+    arrays = sorted(glob.glob(os.path.join(os.path.dirname(prefix), "cache", "*.npy")))
+    assert any("shuffle_index" in a for a in arrays) and any("sample_index" in a for a in arrays), arrays
+    for i, path in enumerate(arrays):
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            if i % 2:
+                f.truncate(size // 2)
+            else:
+                f.seek(128)  # past the .npy header: the values themselves
+                f.write(b"\0" * (size - 128))
+    second, stderr = losses("second")
+    assert "is damaged or incomplete: rebuilding it" in stderr and "Traceback" not in stderr
+    assert second == first
+    third, stderr = losses("third")  # the rebuilt cache is whole again
+    assert third == first and "damaged" not in stderr

@@ -2,8 +2,9 @@
 
 The cache key hashes a description that includes a content fingerprint of the dataset's ``.idx`` and the
 size of its ``.bin`` plus every build parameter, so a changed input or parameter yields a different key
-and a rebuild: a stale cache can never be loaded. Files are written under temporary names and renamed,
-description last, so a reader sees a complete entry or none (several ranks may build the same entry).
+and a rebuild: a stale cache can never be loaded. Files are written under temporary names, fsync'd and renamed,
+description last, so a reader sees a complete entry or none (several ranks may build the same entry); each array's
+SHA-256 is kept beside it and checked on load, so a damaged array is rebuilt, not trained on.
 """
 from __future__ import annotations
 
@@ -63,7 +64,20 @@ class IndexCache:
         with open(description_path, encoding="utf-8") as f:
             if f.read() != self.description:  # a hash collision, or a hand-edited cache: rebuild
                 return None
-        return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+        # The arrays decide which tokens train: one that is not byte for byte what was written (a file of zeros, a
+        # truncated write, shifted offsets) is rebuilt, never trusted.
+        try:
+            with open(self._path("checksums.json"), encoding="utf-8") as f:
+                checksums = json.load(f)
+            damaged = [path for name, path in paths.items() if _sha256(path) != checksums.get(name)]
+            arrays = {} if damaged else {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+        except (OSError, ValueError, EOFError) as exc:
+            damaged, arrays = [f"{self.cache_dir} ({type(exc).__name__}: {exc})"], {}
+        if damaged:
+            warnings.warn(f"index cache {damaged[0]} is damaged or incomplete: rebuilding it (if this repeats, "
+                          f"delete {self.cache_dir})")
+            return None
+        return arrays
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
         """Write the arrays atomically; an unwritable cache directory only costs a rebuild next time."""
@@ -71,18 +85,35 @@ class IndexCache:
             return
         try:
             os.makedirs(self.cache_dir, exist_ok=True)
-            suffix = f".tmp{os.getpid()}"
+            checksums = {}
             for name, array in arrays.items():
                 path = self._path(f"{name}.npy")
-                with open(path + suffix, "wb") as f:
-                    np.save(f, array, allow_pickle=False)
-                os.replace(path + suffix, path)
-            path = self._path("description.json")
-            with open(path + suffix, "w", encoding="utf-8") as f:
-                f.write(self.description)
-            os.replace(path + suffix, path)
+                _write_durably(path, lambda f, array=array: np.save(f, array, allow_pickle=False))
+                checksums[name] = _sha256(path)
+            _write_durably(self._path("checksums.json"), lambda f: f.write(json.dumps(checksums).encode()))
+            # The description last: a reader that finds it finds every array and its checksum complete.
+            _write_durably(self._path("description.json"), lambda f: f.write(self.description.encode()))
         except OSError as exc:
             warnings.warn(f"could not write the index cache in {self.cache_dir} ({exc}); indices stay in memory")
+
+
+def _write_durably(path: str, write) -> None:
+    """``write(f)`` into a temporary file, fsync'd before it is renamed into place (a crash leaves the old file or
+    the new one, never a renamed empty one)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def array_state(array: np.ndarray):
