@@ -17,7 +17,7 @@ from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.data.token_range import token_range_error
 from megafp8.parallel.parallel_state import LayoutError, initialize_distributed
 from megafp8.training.arguments import parse_and_check
-from megafp8.training.data_setup import tokenizer_vocab_size, training_length_errors
+from megafp8.training.data_setup import split_errors, split_warnings, tokenizer_vocab_size, training_length_errors
 from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args
 
 
@@ -51,16 +51,19 @@ def input_errors(args) -> tuple[int | None, list[str]]:
             prefixes = []
         for prefix in prefixes:
             try:
-                IndexedDataset(prefix)  # a truncated or corrupt .idx/.bin: one line here, not a traceback later
+                dataset = IndexedDataset(prefix)  # a truncated or corrupt .idx/.bin: one line here, not a traceback
             except ValueError as e:
                 errors.append(f"--data-path {prefix}: {e}")
+                continue
+            if dataset.dtype.kind == "f":  # a valid Megatron dataset, but not of token ids: they would be truncated
+                errors.append(f"--data-path {prefix}: holds {dataset.dtype.name} values, not token ids (integers)")
                 continue
             if vocab_size is not None:  # ids past the vocabulary would train silently (masked or padding rows)
                 error = token_range_error(prefix, vocab_size, default_cache_dir(prefix))
                 if error:
                     errors.append(error)
         if prefixes and len(errors) == first_data_error:  # the data opens: does it last --train-iters/-samples?
-            errors += training_length_errors(args)
+            errors += split_errors(args) or training_length_errors(args)
     if args.save is not None:
         error = save_dir_error(args.save)
         if error:
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     errors += more_errors
     if errors:
         return _fail("invalid arguments:\n" + "\n".join(f"  - {e}" for e in errors))
+    warnings += split_warnings(args)  # the data opened: an empty validation split is worth a word
     if _is_rank_0():
         for message in warnings:
             print(f"megafp8-pretrain: warning: {message}", file=sys.stderr, flush=True)

@@ -58,6 +58,9 @@ def test_single_process_training_learns_and_logs(text_prefix, tmp_path):
     (["--weight-decay", "inf"], "--weight-decay must be a finite number, got inf"),
     (["--adam-eps", "nan"], "--adam-eps must be a finite number, got nan"),
     (["--data-path", "1e308", "A", "1e308", "B"], "--data-path weights must be positive numbers with a finite sum"),
+    # the corpus' 40 documents: the training split gets none (was a traceback once the model was built)
+    (["--split", "1,99999,0"], "the training split of --data-path"),
+    (["--split", "1,99999,0"], "holds 0 tokens, less than one sample of --seq-length 64 + 1; change --split"),
     (["--save", "README.md"], "--save README.md: exists and is not a directory"),
     (["--save", "README.md/checkpoints"], "--save README.md/checkpoints: README.md is not a directory"),
 ])
@@ -138,3 +141,22 @@ def test_a_damaged_index_cache_is_rebuilt_not_trained_on(text_prefix, tmp_path):
     assert second == first
     third, stderr = losses("third")  # the rebuilt cache is whole again
     assert third == first and "damaged" not in stderr
+
+
+def test_an_empty_validation_split_is_named_and_a_float_dataset_refused(text_prefix, tmp_path):
+    import numpy as np
+
+    from megafp8.data.indexed_dataset import IndexedDatasetWriter
+
+    prefix, tokenizer = text_prefix
+    result = _pretrain(*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "3",
+                       "--split", "100,0,0", "--eval-iters", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "warning: --eval-iters 1: --split 100,0,0 leaves no validation documents" in result.stderr
+    floats = str(tmp_path / "floats")
+    with IndexedDatasetWriter(floats, np.float64) as writer:  # dtype code 6: valid Megatron, not token ids
+        writer.add_document(np.arange(200, dtype=np.float64) + 0.5)
+        writer.finalize()
+    result = _pretrain(*MODEL, "--data-path", floats, "--tokenizer-model", tokenizer, "--train-iters", "3")
+    assert result.returncode == 2 and f"--data-path {floats}: holds float64 values, not token ids" in result.stderr
+    assert "Traceback" not in result.stderr

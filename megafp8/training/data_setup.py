@@ -5,10 +5,14 @@ import argparse
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from megafp8.data.builder import build_train_valid_test_datasets, samples_available
+from megafp8.data.builder import build_train_valid_test_datasets, parse_data_path, samples_available
+from megafp8.data.gpt_dataset import samples_in
+from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.data.sampler import build_pretraining_data_loader
+from megafp8.data.splits import parse_split, split_ranges
 from megafp8.data.tokenizer import build_tokenizer
 from megafp8.parallel.parallel_state import ParallelState
 
@@ -37,6 +41,45 @@ def training_length_errors(args: argparse.Namespace) -> list[str]:
     if available is None or args.train_samples <= available:
         return []
     return [_too_few_samples(args, available)]
+
+
+def _split_tokens(args: argparse.Namespace) -> dict[str, list[int]]:
+    """Per data prefix, the tokens its train / valid / test split of --split holds (reads each .idx only); empty
+    when --split or --data-path is malformed (their own checks say so)."""
+    try:
+        _, prefixes = parse_data_path(args.data_path)
+        weights = parse_split(args.split)
+    except ValueError:
+        return {}
+    tokens = {}
+    for prefix in prefixes:
+        lengths = np.asarray(IndexedDataset(prefix).sequence_lengths)
+        tokens[prefix] = [int(lengths[begin:end].sum(dtype=np.int64))
+                          for begin, end in split_ranges(len(lengths), weights)]
+    return tokens
+
+
+def split_errors(args: argparse.Namespace) -> list[str]:
+    """A prefix whose training split (or, with --eval-iters, a non-empty validation split) holds less than one
+    sample of --seq-length + 1 tokens: found here, not once the model is built."""
+    if not args.data_path or not args.seq_length or args.seq_length <= 0:
+        return []
+    errors = []
+    for prefix, (train, valid, _) in _split_tokens(args).items():
+        for name, tokens in (("training", train), ("validation", valid if args.eval_iters > 0 else 0)):
+            if (name == "training" or tokens) and samples_in(tokens, args.seq_length) < 1:
+                errors.append(f"--split {args.split}: the {name} split of --data-path {prefix} holds {tokens} tokens, "
+                              f"less than one sample of --seq-length {args.seq_length} + 1; change --split or give "
+                              "more data" + (" (or --eval-iters 0)" if name == "validation" else ""))
+    return errors
+
+
+def split_warnings(args: argparse.Namespace) -> list[str]:
+    split_tokens = _split_tokens(args) if args.data_path and args.eval_iters > 0 else {}
+    if split_tokens and not any(valid for _, valid, _ in split_tokens.values()):
+        return [f"--eval-iters {args.eval_iters}: --split {args.split} leaves no validation documents, so no "
+                "validation runs (pass --eval-iters 0 to say so)"]
+    return []
 
 
 def _too_few_samples(args: argparse.Namespace, available: int) -> str:
