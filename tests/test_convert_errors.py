@@ -195,3 +195,26 @@ def test_megatron_input_errors(tmp_path, capsys):
     (tmp_path / "torch_dist" / "latest_checkpointed_iteration.txt").write_text("10")
     assert f"{distributed / '.metadata'} is corrupt or truncated" in run(tmp_path / "torch_dist")  # read as torch_dist
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["parent is a file", "symlink to an empty directory", "max-shard-size abc",
+                                  "max-shard-size nanGB", "max-shard-size 0"])
+def test_bad_save_dir_and_shard_size_are_one_line_before_any_work(case, pristine, tmp_path, capsys):
+    """Issue 38 item 13: each was a traceback, the symlink one after a whole conversion."""
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    save, extra, message = {
+        "parent is a file": (tmp_path / "a_file" / "out", [], f"--save-dir {tmp_path / 'a_file' / 'out'}: "
+                             f"{tmp_path / 'a_file'} is not a directory"),
+        "symlink to an empty directory": (tmp_path / "link", [], "is a symbolic link; give the directory itself"),
+        "max-shard-size abc": (tmp_path / "out", ["--max-shard-size", "abc"], "--max-shard-size abc: expected"),
+        "max-shard-size nanGB": (tmp_path / "out", ["--max-shard-size", "nanGB"], "--max-shard-size nanGB: expected"),
+        "max-shard-size 0": (tmp_path / "out", ["--max-shard-size", "0"], "--max-shard-size 0: expected"),
+    }[case]
+    if case.startswith("symlink"):
+        (tmp_path / "link").symlink_to(tmp_path / "empty")
+    code, err = _convert_in_process(capsys, "--load-format", "hf", "--save-format", "megafp8", "--load-dir",
+                                    pristine, "--save-dir", save, *extra)
+    assert code == 1 and message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a_file", "empty"] + (["link"] if "symlink" in case else []))
+    assert list((tmp_path / "empty").iterdir()) == []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 
 import numpy as np
@@ -314,3 +315,15 @@ def test_a_repeated_json_key_is_refused(tmp_path):
                       "text", "text", "--tokenizer-type", "NullTokenizer", "--vocab-size", "20")
     assert result.returncode != 0 and "--json-keys text text: 'text' given more than once" in result.stderr
     assert "Traceback" not in result.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["doc.jsonl"]
+
+
+def test_preprocess_never_writes_over_its_input(tmp_path):
+    """Issue 38 item 13: an input whose name is one of the outputs (here JSON lines saved as x_text_document.bin)
+    would have been truncated by the writer before it was read."""
+    path = write_lines(tmp_path / "x_text_document.bin", [HOSTILE_LINES[0]])
+    before = Path(path).read_bytes()
+    result = run_tool("preprocess_data.py", "--input", path, "--output-prefix", str(tmp_path / "x"), "--tokenizer-type",
+                      "NullTokenizer", "--vocab-size", "20")
+    assert result.returncode != 0 and "which is --input; choose another prefix" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and Path(path).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_text_document.bin"]

@@ -2,24 +2,34 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megafp8.checkpoint.atomic import save_dir_error  # noqa: E402
 from megafp8.checkpoint.errors import CheckpointError  # noqa: E402
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '200MiB', '1000' -> bytes."""
+    """'5GB', '200MiB', '1000' -> bytes; anything else (abc, nanGB, 0) is a CheckpointError naming the flag."""
     upper = text.strip().upper()
-    for unit, factor in sorted(SIZE_UNITS.items(), key=lambda kv: -len(kv[0])):
+    number, factor = upper, 1
+    for unit, unit_factor in sorted(SIZE_UNITS.items(), key=lambda kv: -len(kv[0])):
         if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * factor)
-    return int(upper)
+            number, factor = upper[: -len(unit)], unit_factor
+            break
+    try:
+        size = float(number) * factor
+    except ValueError:
+        size = float("nan")
+    if not math.isfinite(size) or size < 1:
+        raise CheckpointError(f"--max-shard-size {text}: expected a positive size like 5GB, 200MiB or 1000000")
+    return int(size)
 
 
 def check_load_dir(load_dir: str, load_format: str, iteration: int | None) -> None:
@@ -74,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     from megafp8.checkpoint.hf_files import use_mmap_for_large_allocations  # noqa: PLC0415
     use_mmap_for_large_allocations()  # peak memory: about one tensor, independent of the model's size
     try:
+        max_shard_bytes = parse_size(args.max_shard_size)
         check_load_dir(args.load_dir, args.load_format, args.load_iteration)
+        problem = save_dir_error(args.save_dir, "--save-dir")  # before the conversion's work, not after it
+        if problem:
+            raise CheckpointError(problem)
         if args.load_format == "hf" and args.save_format == "megafp8":
             config = hf_to_megafp8(args.load_dir, args.save_dir, target_tp=args.target_tensor_parallel_size,
                                    target_pp=args.target_pipeline_parallel_size, progress=not args.no_progress)
@@ -83,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{config.vocab_size})")
         elif args.load_format == "megafp8" and args.save_format in ("hf", "hf-fp8"):
             megafp8_to_hf(args.load_dir, args.save_dir, save_format=args.save_format, save_dtype=args.save_dtype,
-                          max_shard_bytes=parse_size(args.max_shard_size), iteration=args.load_iteration,
+                          max_shard_bytes=max_shard_bytes, iteration=args.load_iteration,
                           progress=not args.no_progress)
             print(f"wrote {args.save_dir}")
         elif args.load_format == "megatron" and args.save_format == "megafp8":

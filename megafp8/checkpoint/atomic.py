@@ -106,19 +106,20 @@ def commit_directory(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def save_dir_error(root: str | os.PathLike) -> str | None:
-    """Why ``--save root`` could not take a checkpoint (not a directory, under a file, not writable), checked before
-    training: the first save is iterations away, and failing there loses the run's work. None when it can."""
+def save_dir_error(root: str | os.PathLike, flag: str = "--save") -> str | None:
+    """Why ``flag root`` could not take a checkpoint (not a directory, under a file, not writable), checked before
+    the work: the first save is iterations (or a whole conversion) away, and failing there loses it. None when
+    it can."""
     path = Path(root)
     if path.exists() and not path.is_dir():
-        return f"--save {root}: exists and is not a directory"
+        return f"{flag} {root}: exists and is not a directory"
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        return f"--save {root}: {existing} is not a directory"
+        return f"{flag} {root}: {existing} is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"--save {root}: {existing} is not writable"
+        return f"{flag} {root}: {existing} is not writable"
     return None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megafp8.checkpoint.atomic import fsync_path
+from megafp8.checkpoint.atomic import fsync_path, save_dir_error
 from megafp8.checkpoint.errors import CheckpointError
 from megafp8.model.config import ModelConfig
 from megafp8.model.hf_mapping import hf_rope_problems, model_config_from_hf
@@ -303,8 +303,13 @@ class ShardedSafetensorsWriter:
 def atomic_output_dir(target: Path, flag: str) -> Iterator[Path]:
     """A temporary sibling directory that becomes ``target`` by one rename when the body succeeds; on any
     error it is removed, so nothing appears under ``target``. ``target`` must not exist (or be empty)."""
+    if target.is_symlink():  # the final rename would replace the link, not fill the directory it points to
+        raise ConversionError(f"{flag} {target} is a symbolic link; give the directory itself")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConversionError(f"{flag} {target} already exists and is not empty; choose a new directory")
+    problem = save_dir_error(target, flag)
+    if problem:
+        raise ConversionError(problem)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()

@@ -336,6 +336,12 @@ def preprocess(
     if repeated:  # each key writes one dataset: a repeated key would write every document twice
         raise PreprocessError(f"--json-keys {' '.join(json_keys)}: {', '.join(map(repr, repeated))} given more than once")
     check_output_prefix(output_prefix)
+    for key in json_keys:  # a tool never writes over its own input
+        for suffix in (".bin", ".idx"):
+            output = f"{output_prefix}_{key}_document{suffix}"
+            if os.path.realpath(output) == os.path.realpath(input_path):
+                raise PreprocessError(f"--output-prefix {output_prefix} would write {output}, which is --input; "
+                                      "choose another prefix")
 
     # Without --partition-index the whole file is streamed; --partitions then only exists for Megatron
     # command-line compatibility (the output is the same as with one partition).
@@ -444,6 +450,8 @@ def check_output_prefix(output_prefix: str, flag: str = "--output-prefix") -> No
     if not os.path.isdir(existing):
         raise PreprocessError(f"{flag} {output_prefix}: {existing} is a file, so the directory {parent} "
                               "cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PreprocessError(f"{flag} {output_prefix}: {existing} is not writable")
 
 
 def _no_documents_message(path: str, key: str, summary: PreprocessSummary, partition_index: int | None,
