@@ -151,3 +151,25 @@ def test_tokenizer_training_is_reproducible_with_a_line_sample(tmp_path, small_c
         sp = spm.SentencePieceProcessor(model_file=model)
         vocabularies.append([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
     assert vocabularies[0] == vocabularies[1]
+
+
+def test_train_tokenizer_skips_hostile_lines_and_refuses_compressed_input(tmp_path, small_corpus):
+    """Issue 38 items 7 and 12: a lone surrogate, JSON nested 200,000 deep and a 5000-digit integer are skipped
+    bad lines (they failed the run, blaming --vocab-size); a .gz file is refused (it trained on the compressed
+    bytes)."""
+    import gzip
+    import json as json_module
+
+    hostile = tmp_path / "hostile.jsonl"
+    good = [json_module.dumps({"text": t}) for t in read_texts(small_corpus)[:3]]
+    hostile.write_text("\n".join(good[:1] + ['{"text": "a\\ud800b"}', "[" * 200_000, "9" * 5000] + good[1:]) + "\n")
+    result = run_tool("train_tokenizer.py", "--input", str(hostile), "--model-prefix", str(tmp_path / "t"),
+                      "--vocab-size", "400")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "skipped 3 unreadable json line(s)" in result.stdout and f"{hostile}:2" in result.stdout
+    packed = tmp_path / "corpus.jsonl.gz"
+    packed.write_bytes(gzip.compress(hostile.read_bytes()))
+    result = run_tool("train_tokenizer.py", "--input", str(packed), "--model-prefix", str(tmp_path / "z"),
+                      "--vocab-size", "400")
+    assert result.returncode == 1 and "gzip-compressed data; decompress it first" in result.stderr
+    assert not (tmp_path / "z.model").exists()

@@ -15,6 +15,8 @@ from typing import Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
+from megafp8.data.preprocess import check_input_file
+
 
 @dataclass
 class TextStats:
@@ -72,11 +74,19 @@ def reservoir_sample(items: Iterable[str], k: int, seed: int) -> list[str]:
 
 
 def _json_text(raw: bytes, key: str) -> str | None:
+    """The line's text under ``key``, or None for a bad line: not UTF-8 or JSON, nested past the parser's limit,
+    an integer of thousands of digits (Python refuses it), or a lone surrogate that no tokenizer can encode."""
     try:
         value = json.loads(raw.decode("utf-8")).get(key)
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # ValueError: UnicodeDecodeError and JSONDecodeError too
         return None
-    return value if isinstance(value, str) else None
+    if not isinstance(value, str):
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
 
 
 def train_sentencepiece(
@@ -101,9 +111,8 @@ def train_sentencepiece(
         raise ValueError(f"--vocab-size {vocab_size}: too small for a tokenizer")
     if not 0.0 < character_coverage <= 1.0:
         raise ValueError(f"--character-coverage {character_coverage}: must be in (0, 1]")
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise ValueError(f"--input {path}: no such file")
+    for path in inputs:  # no such file, a directory, compressed or binary data: one line naming it
+        check_input_file(path)
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     options = dict(
         model_prefix=model_prefix,
