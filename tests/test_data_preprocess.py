@@ -279,7 +279,7 @@ HOSTILE_LINES = [
     '{"text": "3 abc"}',                # not an id
     '{"text": "' + "9" * 23 + '"}',     # a 23-digit integer
     '{"text": "a\\ud800b"}',            # valid JSON, a lone surrogate: no tokenizer takes it
-    "[" * 200_000,                      # valid-looking JSON nested past the parser's recursion limit
+    '{"text": ' + "[" * 200_000,        # an object nested past the parser's recursion limit
     '{"text": "4 5"}',
 ]
 

@@ -158,6 +158,11 @@ def parse_chunk(index: int, data: bytes, keys: Sequence[str]) -> ParsedChunk:
     for line_number, raw in enumerate(lines):
         if not raw or raw.isspace():
             continue  # blank lines (e.g. a trailing one) hold no document and are not an error
+        first = raw.lstrip()[:1]
+        if first != b"{":  # not an object: say so without building a (possibly huge) array or value first
+            what = {b"[": "a JSON list, not an object", b'"': "a JSON string, not an object"}
+            _problem(parsed, "malformed_json", line_number, what.get(first, "not a JSON object"))
+            continue
         try:
             decoded = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
