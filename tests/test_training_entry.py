@@ -160,3 +160,18 @@ def test_an_empty_validation_split_is_named_and_a_float_dataset_refused(text_pre
     result = _pretrain(*MODEL, "--data-path", floats, "--tokenizer-model", tokenizer, "--train-iters", "3")
     assert result.returncode == 2 and f"--data-path {floats}: holds float64 values, not token ids" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_keep_last_through_the_entry_leaves_directories_it_did_not_write(text_prefix, tmp_path):
+    """Issue 38 item 11, as a user meets it: --keep-last prunes megafp8's checkpoints, and an iter_* folder of the
+    user's (no manifest) in --save survives, contents and all."""
+    prefix, tokenizer = text_prefix
+    save = tmp_path / "checkpoints"
+    mine = save / "iter_0000100"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("not a checkpoint")
+    result = _pretrain(*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "3",
+                       "--eval-iters", "0", "--save", str(save), "--save-interval", "1", "--keep-last", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000003", "iter_0000100"]
+    assert (mine / "notes.txt").read_text() == "not a checkpoint"
