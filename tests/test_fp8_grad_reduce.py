@@ -185,3 +185,37 @@ def test_fp8_grad_reduce_trains_in_3d_and_resumes_bit_exact(tmp_path):
     for i in straight:  # the same training, through FP8 on the DP wire (loose: 4 steps of a tiny model)
         assert abs(straight[i]["lm_loss"] / plain[i]["lm_loss"] - 1) < 1e-2, (i, straight[i], plain[i])
         assert straight[i]["comm_bytes"]["dp_grad_reduce"] < 0.75 * plain[i]["comm_bytes"]["dp_grad_reduce"]
+
+
+def _bounded_body(rank, world_size):
+    """A bucket of 2^20 grads cast in slabs of 2^14 and summed one received piece at a time: bit-identical to the
+    one-slab cast, and the live temporaries stay under the FP8 bytes plus one fp32 shard plus one piece (not the
+    fp32 bucket: an old run held ~8 B per bucket element)."""
+    import sys
+    from pathlib import Path
+
+    from megafp8.parallel import fp8_grad_reduce
+    from megafp8.parallel.collectives import CommCounters, GroupHandle
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+    from bench_optimizer_memory import LiveBytes
+
+    numel = 1 << 20
+    handle = GroupHandle(group=dist.group.WORLD, ranks=tuple(range(world_size)), rank=rank, counters=CommCounters())
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-3, 2, numel)
+    whole = fp8_grad_reduce.fp8_reduce_scatter_async(grad, handle).wait()
+    fp8_grad_reduce.CAST_SLAB = 1 << 14
+    try:
+        live = LiveBytes()
+        with live:
+            sliced = fp8_grad_reduce.fp8_reduce_scatter_async(grad, handle).wait()
+    finally:
+        fp8_grad_reduce.CAST_SLAB = 1 << 22
+    assert torch.equal(sliced, whole)
+    shard_fp32 = numel // world_size * 4
+    assert live.peak <= 2 * numel + 3 * shard_fp32 + 64 * (1 << 14), (live.peak, numel)
+
+
+@pytest.mark.distributed
+def test_fp8_grad_reduce_temporaries_are_bounded_by_a_slab_and_a_shard():
+    run_distributed(_bounded_body, world_size=2, timeout_s=300)

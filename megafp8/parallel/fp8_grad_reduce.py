@@ -30,6 +30,9 @@ GRAD_REDUCE_DTYPE = torch.float8_e4m3fn
 
 
 GROUP = 128  # elements; the grad buffer's alignment: a segment is a whole number of groups
+# Elements cast per slab: the cast's fp32 temporaries are bounded by a slab, not the bucket (a 40M-element bucket
+# held ~8 B per element of them at once before); the received pieces are summed one at a time for the same reason.
+CAST_SLAB = 1 << 22
 
 
 def segment_amax(grad: torch.Tensor, segment_of_group: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -58,13 +61,22 @@ def fp8_reduce_scatter_async(grad: torch.Tensor, handle: GroupHandle, kind: str 
     amax = C.all_reduce(segment_amax(grad, segment_of_group, num_segments), handle, kind, op=dist.ReduceOp.MAX)
     finite = torch.isfinite(amax).all()
     scale = scale_from_amax(amax, fmt.max, power_of_2_scale=False)[segment_of_group]  # per group
-    codes = saturating_cast(grad.view(-1, GROUP).float() * scale[:, None], fmt).view(torch.uint8).view(-1)
+    rows, slab_rows = grad.view(-1, GROUP), CAST_SLAB // GROUP
+    codes = torch.empty(rows.shape, dtype=torch.uint8, device=grad.device)
+    for start in range(0, rows.shape[0], slab_rows):
+        part = slice(start, start + slab_rows)
+        codes[part] = saturating_cast(rows[part].float() * scale[part, None], fmt).view(torch.uint8)
+    codes = codes.view(-1)
     received = torch.empty_like(codes)
     pending = C.all_to_all_single_async(received, codes, handle, kind)
     scale_inv = reciprocal(scale.view(n, -1)[handle.rank])  # my piece's groups: the same on every sender
 
     def local_sum(pieces: torch.Tensor) -> torch.Tensor:
-        total = pieces.view(n, -1, GROUP).view(fp8_dtype).float().sum(dim=0) * scale_inv[:, None]
+        pieces = pieces.view(n, -1, GROUP).view(fp8_dtype)
+        total = pieces[0].float()
+        for sender in range(1, n):  # in rank order, one decoded piece at a time
+            total += pieces[sender].float()
+        total *= scale_inv[:, None]
         return torch.where(finite, total, torch.full_like(total, float("nan"))).view(-1)
 
     return PendingCollective(pending, finish=lambda p: local_sum(p.wait()))
