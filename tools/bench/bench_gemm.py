@@ -221,19 +221,23 @@ def main(argv: list[str] | None = None) -> int:
         launch = " [launch " + ",".join(str(v) for v in args.quantize_launch.values()) + "]"
         print(f"# cast launch: {args.quantize_launch}")
     rows = []
+
+    def add(row: dict) -> None:
+        """Keep a row, and rewrite --json with every row so far: a step cut short by its timeout keeps them."""
+        rows.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": hw, "torch": torch.__version__, "rows": rows}, f, indent=1)
+
     if args.wgrad:
         print("\n| M | N | K | wgrad into fp32 main_grad | ms | TFLOP/s |\n|---|---|---|---|---|---|")
         for M, N, K in GPU_WGRAD if device == "cuda" else CPU_QUICK:
             for name, fn in _wgrad_cases(M, N, K, device, fp8_backend)[0].items():
                 ms = _time_ms(fn, device)
-                rows.append({"kind": "wgrad", "M": M, "N": N, "K": K, "name": name, "ms": ms,
-                             "tflops": 2 * M * N * K / ms / 1e9})
+                add({"kind": "wgrad", "M": M, "N": N, "K": K, "name": name, "ms": ms, "tflops": 2 * M * N * K / ms / 1e9})
                 print(f"| {M} | {N} | {K} | {name} | {ms:.3f} | {rows[-1]['tflops']:.1f} |")
         print()
         print(_wgrad_summary(rows, fp8_backend))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": hw, "torch": torch.__version__, "rows": rows}, f, indent=1)
         return 0
 
     print("\n| M | N | K | GEMM | ms | TFLOP/s |\n|---|---|---|---|---|---|")
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in _gemm_cases(M, N, K, device, fp8_backend).items():
             ms = _time_ms(fn, device)
             tflops = 2 * M * N * K / ms / 1e9
-            rows.append({"kind": "gemm", "M": M, "N": N, "K": K, "name": name, "ms": ms, "tflops": tflops})
+            add({"kind": "gemm", "M": M, "N": N, "K": K, "name": name, "ms": ms, "tflops": tflops})
             print(f"| {M} | {N} | {K} | {name} | {ms:.3f} | {tflops:.1f} |")
 
     print("\n| M | K | op | ms | GB/s | % of copy |\n|---|---|---|---|---|---|")
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             ms = _time_ms(fn, device)
             gbs = nbytes / ms / 1e6
             copy_gbs = copy_gbs or gbs
-            rows.append({"kind": "quantize", "M": M, "K": K, "name": name, "ms": ms, "gbs": gbs})
+            add({"kind": "quantize", "M": M, "K": K, "name": name, "ms": ms, "gbs": gbs})
             print(f"| {M} | {K} | {name} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
 
     print()
@@ -260,9 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_scaled_mm_recommendation(rows, fp8_backend))
     else:
         print("# no scaled_mm recommendation on CPU: the dispatcher runs the reference twin there")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": hw, "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
 
 
