@@ -1,6 +1,7 @@
 """The step's storage slabs are an implementation detail: slabs of 3 groups (cutting buckets and parameters) give
 bit-identical master weights, moments and published weights to one slab over all storage, for the fp32 and the
-compressed preset, at DP=2 (no clipping: the grad norm's fp64 sum is ordered by slab, and only clipping reads it)."""
+compressed preset, at DP=2 (without clipping, as written before the grad norm's group sums became independent of
+the slab size: megafp8/optim/fused_adamw.py)."""
 import pytest
 import torch
 

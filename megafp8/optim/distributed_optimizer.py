@@ -13,6 +13,8 @@ The step takes the storage in slabs of up to ``STEP_SLAB`` elements (across buck
 number of tensor ops per slab whatever the number of parameters or buckets: decode master, m and v, update
 in fp32, encode, with the per-parameter constants (weight decay, fp16 scale, rounding key, grad-norm weight) broadcast from per-128-group tables
 built once (a parameter's fragment starts on a group boundary, so each group belongs to one parameter).
+With fp32 master weights and states the step can instead run as two Triton launches per bucket shard
+(``fused_step``, megafp8.optim.fused_adamw), bit-identical to the slabs (its torch twin).
 The global grad norm and the non-finite check stay on the device: a non-finite step keeps every stored
 state (``torch.where`` on the finite flag) instead of returning early, so no step asks the host. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
 (FP8-LM), agreed over DP by a MAX all-reduce of the per-tensor amaxes so a checkpoint re-slices at any
@@ -23,6 +25,7 @@ round-to-nearest would drop every update below half a grid step (a norm gain at 
 """
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import invalidate_fp8_weight_caches
+from megafp8.optim import fused_adamw
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
 from megafp8.optim.storage_slabs import STEP_SLAB, StorageSlab, storage_slabs
@@ -42,6 +46,7 @@ from megafp8.parallel.sharding import is_tensor_model_parallel
 
 MASTER_DTYPES = ("fp32", "fp16")
 FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
+FUSED_ENV = "MEGAFP8_FUSED_OPTIMIZER"  # 1: the fused Triton step wherever the preset has one (e.g. under TRITON_INTERPRET); 0: never
 
 
 @dataclass(eq=False)
@@ -91,11 +96,16 @@ class DistributedOptimizer:
     chunk_size:             elements decoded at once when writing a guard-switched weight (the step and the FP8
                             publication take whole slabs)
     rounding_seed:          seeds the fp16 master's stochastic rounding (the same seed resumes bit-exactly)
+    fused_step:             the step as Triton kernels, a fixed number of launches per bucket shard
+                            (megafp8.optim.fused_adamw; fp32 master + fp32 states only). None: on where the storage
+                            is on CUDA and the preset has a kernel, else $MEGAFP8_FUSED_OPTIMIZER (1/0) decides;
+                            the torch twin (slabs) elsewhere. True with another preset is an error.
     """
 
     def __init__(self, ddp: DistributedDataParallel, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, clip_grad: float = 0.0, master_weight_dtype: str = "fp32",
-                 optimizer_state_dtype: str = "fp32", chunk_size: int = 1 << 16, rounding_seed: int = 0) -> None:
+                 optimizer_state_dtype: str = "fp32", chunk_size: int = 1 << 16, rounding_seed: int = 0,
+                 fused_step: bool | None = None) -> None:
         if master_weight_dtype not in MASTER_DTYPES:
             raise ValueError(f"--master-weight-dtype must be one of {', '.join(MASTER_DTYPES)}, got {master_weight_dtype!r}")
         if clip_grad < 0 or weight_decay < 0:
@@ -122,6 +132,7 @@ class DistributedOptimizer:
         self.master_scale = torch.ones(len(self.fragments), device=device)  # fp16 codes = value * scale
         self.exp_avg = make_state_codec(optimizer_state_dtype, numel, device)
         self.exp_avg_sq = make_state_codec(optimizer_state_dtype, numel, device)
+        self.fused_step = self._choose_fused_step(fused_step, torch.device(device))
         self._init_master()
         ddp.release_fp8_param_storage()  # the master now holds those values
         self._publish()
@@ -130,6 +141,17 @@ class DistributedOptimizer:
         # until the next publish: its first forward fetches its high-precision weight instead.
         self._hook_handles = [info.module.register_forward_pre_hook(self._apply_guard_switches)
                               for info in ddp.fp8_params.values()]
+
+    def _choose_fused_step(self, requested: bool | None, device: torch.device) -> bool:
+        supported = (self.master_weight_dtype, self.optimizer_state_dtype) == ("fp32", "fp32") and fused_adamw.AVAILABLE
+        if requested is None:
+            env = os.environ.get(FUSED_ENV, "")
+            requested = env == "1" if env in ("0", "1") else device.type == "cuda"
+            return requested and supported
+        if requested and not supported:
+            raise ValueError("the fused optimizer step has a kernel for --master-weight-dtype fp32 with "
+                             f"--optimizer-state-dtype fp32 only, not {self.master_weight_dtype}/{self.optimizer_state_dtype}")
+        return requested
 
     # ---- ranges ---------------------------------------------------------------------------------
     def _make_fragments(self) -> list[Fragment]:
@@ -176,6 +198,7 @@ class DistributedOptimizer:
             storage += hi - lo
         self._slabs = storage_slabs(self._shards, STEP_SLAB)
         self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
+        self._shard_view_cache: tuple[tuple, tuple] | None = None  # per bucket shard: param_data and master views
 
     @property
     def step_count(self) -> int:
@@ -272,11 +295,16 @@ class DistributedOptimizer:
         """Sum of squared grads over the whole model, each element once: TP-replicated parameters count
         on TP rank 0, a pipeline copy of a tied embedding (``shared_embedding``) not at all, DP shards are
         disjoint (plain DDP: replicas are identical, so each counts 1/DP). NaN/inf anywhere -> non-finite.
-        One pass per slab (fp64 sums per 128-group, then a masked sum), one all-reduce, no host sync."""
-        total = torch.zeros((), dtype=torch.float64, device=self.master_scale.device)
-        for slab in self._slabs:
-            squares = self._slab_grads(slab).double().square().view(-1, GROUP).sum(dim=1)
-            total += torch.where(self._group_counted[self._groups(slab.start, slab.n)], squares, 0.0).sum()
+        fp64 sums of squares per 128-group (one pass per slab, or one launch per bucket shard), one masked sum of
+        that table (so both paths give the same bits), one all-reduce, no host sync."""
+        squares = torch.empty(self._group_counted.numel(), dtype=torch.float64, device=self.master_scale.device)
+        if self.fused_step:
+            for bucket, lo, hi, storage in self._shards:
+                fused_adamw.grad_group_squares_triton(bucket.grad_data, lo, squares, storage // GROUP, hi - lo)
+        else:
+            for slab in self._slabs:
+                squares[self._groups(slab.start, slab.n)] = fused_adamw.group_square_sums(self._slab_grads(slab))
+        total = torch.where(self._group_counted, squares, 0.0).sum()
         if not self.ddp.distributed:
             total /= self.dp.size
         return C.all_reduce(total, self.world, "dp_grad_reduce")
@@ -305,7 +333,13 @@ class DistributedOptimizer:
             scale_of_group = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group]
             keys = rounding_keys(self.rounding_seed, step, self._rounding_salts)[self._frag_of_group]
             frag_amax = self.master_scale.new_zeros(len(self.fragments) + 1)
-        for slab in self._slabs:
+        if self.fused_step:  # one launch per bucket shard: the fp32 preset's kernel (megafp8.optim.fused_adamw)
+            for bucket, lo, hi, storage in self._shards:
+                fused_adamw.adamw_fp32_triton(
+                    bucket.grad_data, lo, self.master.values, self.exp_avg.values, self.exp_avg_sq.values, storage,
+                    hi - lo, self._group_decay if self.weight_decay > 0 else None, clip, finite, step_size,
+                    bias_correction2_sqrt, decay_factor, beta1, beta2, self.eps)
+        for slab in [] if self.fused_step else self._slabs:
             start, n = slab.start, slab.n
             groups = self._groups(start, n)
             g = self._slab_grads(slab)
@@ -322,7 +356,7 @@ class DistributedOptimizer:
             m = torch.lerp(m, g, 1 - beta1)
             v = (v * beta2).addcmul_(g, g, value=1 - beta2)
             del g  # every temporary goes as soon as it is used: the step's peak is a few slab-sized tensors
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            denom = (fused_adamw.sqrt_rn(v) / bias_correction2_sqrt).add_(self.eps)  # IEEE sqrt, as on CUDA
             p = p + m.mul(step_size).div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
             del denom
             self.exp_avg.encode(start, start + n, m, keep=finite)
@@ -370,7 +404,11 @@ class DistributedOptimizer:
         invalidate_fp8_weight_caches(self.ddp.module)
         self.ddp.take_guard_switches()
         whole = self._whole_shard_buckets()
-        for slab, views in zip(self._slabs, self._slab_param_views()):
+        if self.master_weight_dtype == "fp32":  # the master is its own decode: one foreach copy of views, no temporary
+            params, masters = self._shard_views(whole)
+            if params:
+                torch._foreach_copy_(params, masters)
+        for slab, views in zip([] if self.master_weight_dtype == "fp32" else self._slabs, self._slab_param_views()):
             picks = [k for k, (bucket, _lo, _hi) in enumerate(slab.pieces) if bucket in whole]
             if not picks:
                 continue
@@ -393,6 +431,16 @@ class DistributedOptimizer:
         """Buckets whose owned shard is written to ``param_data`` as is: high-precision weights only."""
         special = set(self.ddp.fp8_params) | set(self.ddp.switched_weights)
         return {b for b, *_ in self._shards if b.param_data is not None and not any(p in special for p in b.params)}
+
+    def _shard_views(self, whole: set[Bucket]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The param_data views of the ``whole`` buckets' shards and their fp32 master views, built again only when
+        a bucket's param_data or the set changed (views made per step would cost ops per bucket)."""
+        key = (tuple(id(b.param_data) for b in self.ddp.buckets), frozenset(id(b) for b in whole))
+        if self._shard_view_cache is None or self._shard_view_cache[0] != key:
+            picked = [(b, lo, hi, s) for b, lo, hi, s in self._shards if b in whole]
+            self._shard_view_cache = (key, ([b.param_data[lo:hi] for b, lo, hi, _s in picked],
+                                            [self.master.values[s:s + hi - lo] for _b, lo, hi, s in picked]))
+        return self._shard_view_cache[1]
 
     def _slab_param_views(self) -> list[list[torch.Tensor | None]]:
         """Per slab piece, its bucket's param_data view (None once released), built again only when a bucket's
