@@ -30,6 +30,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gemm import _epilogue
 
+# Gluon's API moves between Triton releases; the GPU image's torch 2.11 + CUDA 13 pins Triton 3.6, which names TMA's
+# global->shared copy `tma.async_copy_global_to_shared` and the CTA barrier `gl.thread_barrier` (3.9 renamed them
+# `tma.async_load` / `gl.barrier`, and its old TMA name only raises). Resolved once here so the kernel compiles
+# under both (kernel_audit.py compiles it for sm_90a under each: docs/kernels.md).
+_tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
 HOPPER_GEMM_KERNEL_NAME = "_fp8_gemm_promoted_kernel"
 
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
@@ -74,8 +81,8 @@ def _load_step(a_desc, b_desc, a_smem, b_smem, ready, off_m, off_n, k_step, ring
     slot = ring_index % STAGES
     bar = ready.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    tma.async_load(a_desc, [off_m, k_step * BLOCK_K], bar, a_smem.index(slot), pred=pred)
-    tma.async_load(b_desc, [off_n, k_step * BLOCK_K], bar, b_smem.index(slot), pred=pred)
+    _tma_async_load(a_desc, [off_m, k_step * BLOCK_K], bar, a_smem.index(slot), pred=pred)
+    _tma_async_load(b_desc, [off_n, k_step * BLOCK_K], bar, b_smem.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -138,7 +145,7 @@ def _fp8_gemm_promoted_kernel(a_desc, b_desc, c_ptr, bias_ptr, sa_ptr, sb_ptr, M
             pending_k = _mma_step(a_smem, b_smem, ready, ring + k, zero, STAGES)
             pending_next = _mma_step(a_smem, b_smem, ready, ring + k + 1, zero, STAGES)
             partial = warpgroup_mma_wait(num_outstanding=1, deps=(pending_k,))
-            gl.barrier()  # every warpgroup is done with step k's slot before TMA refills it
+            _cta_barrier()  # every warpgroup is done with step k's slot before TMA refills it
             _load_step(a_desc, b_desc, a_smem, b_smem, ready, off_m, off_n, k + STAGES, ring + k + STAGES,
                        k + STAGES < k_steps, STAGES, BLOCK_K)
             if not PRELOAD_NEXT_SCALES:
@@ -149,7 +156,7 @@ def _fp8_gemm_promoted_kernel(a_desc, b_desc, c_ptr, bias_ptr, sa_ptr, sb_ptr, M
             acc = _promote(acc, partial, sa_k, sb_k, SCALE_MODE, BLOCK_N)
             # `acc` goes through the wait so that the compiler cannot sink step k's promotion below it.
             partial, acc = warpgroup_mma_wait(num_outstanding=0, deps=(pending_next, acc))
-            gl.barrier()
+            _cta_barrier()
             _load_step(a_desc, b_desc, a_smem, b_smem, ready, off_m, off_n, k + 1 + STAGES, ring + k + 1 + STAGES,
                        k + 1 + STAGES < k_steps, STAGES, BLOCK_K)
             acc = _promote(acc, partial, sa_next, sb_next, SCALE_MODE, BLOCK_N)
@@ -159,7 +166,7 @@ def _fp8_gemm_promoted_kernel(a_desc, b_desc, c_ptr, bias_ptr, sa_ptr, sb_ptr, M
             pending_k = _mma_step(a_smem, b_smem, ready, ring + k_steps - 1, zero, STAGES)
             partial = warpgroup_mma_wait(num_outstanding=0, deps=(pending_k,))
             acc = _promote(acc, partial, sa_k, sb_k, SCALE_MODE, BLOCK_N)
-        gl.barrier()  # the next tile's prologue refills slots this tile's last steps read
+        _cta_barrier()  # the next tile's prologue refills slots this tile's last steps read
         ring += k_steps
 
         _epilogue(acc, c_ptr, bias_ptr, sa_ptr, sb_ptr, offs_m, offs_n, m_ok, n_ok, stride_cm, stride_sa_m,

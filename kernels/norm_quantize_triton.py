@@ -2,10 +2,11 @@
 
 One kernel per prologue reads the prologue's input and writes only the FP8 bytes (+ the transposed copy, the
 scales, the amax) for the recipes whose scale is known inside a 128x128 tile: a given scale (delayed scaling)
-and 1x128 blocks (the transposed copy's 128x1 groups are the tile's columns). Each program owns 128 rows: RMSNorm
-first sums x^2 over the row's K chunks (x is read twice, from L2 the second time), then normalizes, scales and
-casts chunk by chunk. Tensorwise and rowwise current scaling need an amax over more than a tile before the cast:
-there the prologue runs as torch ops and the standalone quantizer casts it (two passes, the same values).
+and 1x128 blocks (the transposed copy's 128x1 groups are the tile's columns). Each program owns 128 rows (64 with a
+given scale: GIVEN_SCALE_ROWS): RMSNorm first sums x^2 over the row's K chunks (x is read twice, from L2 the second
+time), then normalizes, scales and casts chunk by chunk. Tensorwise and rowwise current scaling need an amax over
+more than a tile before the cast: there the prologue runs as torch ops and the standalone quantizer casts it (two
+passes, the same values).
 
 Bits: the cast follows quantize_triton.py exactly; the prologue's own fp32 math (the row sum's order, rsqrt, exp)
 may differ from torch's by an ulp, so an FP8 byte can differ where the value sits on a rounding boundary.
@@ -33,6 +34,13 @@ from .quantize_triton import (
 from .scaling import BLOCK, Fp8Quantized, Granularity, check_quantize_args, empty_scales, granularity
 
 _TORCH_TO_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}  # fp16 activations take the two-pass path
+# Rows per program (RMSNorm) or tile (SwiGLU) of the given-scale cast; 1x128 needs all 128, its transposed copy's
+# groups being 128-row columns. One scale for the whole tensor lets a program hold fewer rows: at 128, RMSNorm with
+# the transposed copy and stats (a delayed-scaling training step: the saturation guard turns stats on) took 255
+# registers and spilled 48 B under Triton 3.6, the GPU image's (0 under 3.9); at 64 every given-scale variant takes
+# 64-176 registers, spill-free under both (tools/bench/kernel_audit.py, docs/kernels.md). The cast is elementwise and
+# the amax a max: the bits do not depend on it (rstd's row sum may change order within an ulp, as documented above).
+GIVEN_SCALE_ROWS = 64
 
 
 @triton.jit
@@ -145,14 +153,19 @@ def _fusable(gran: Granularity, scale: torch.Tensor | None) -> bool:
     return scale is not None or gran is Granularity.BLOCK_1X128
 
 
+def tile_rows(scale: torch.Tensor | None) -> int:
+    """Rows of x a program (RMSNorm) or tile (SwiGLU) covers: GIVEN_SCALE_ROWS with a given scale, else TILE (1x128)."""
+    return GIVEN_SCALE_ROWS if scale is not None else TILE
+
+
 def _buffers(rows: int, cols: int, gran: Granularity, scale, transpose: bool, fp8_dtype, dev):
     data = torch.empty((rows, cols), device=dev, dtype=fp8_dtype)
     data_t = torch.empty((cols, rows), device=dev, dtype=fp8_dtype) if transpose else data
     scale_inv = empty_scales(rows, cols, gran, dev)
     scale_inv_t = empty_scales(cols, rows, gran, dev) if transpose and scale is None else scale_inv
     grid_k = triton.cdiv(cols, TILE)
-    amax = torch.empty((triton.cdiv(rows, TILE), grid_k), device=dev, dtype=torch.float32) if scale is not None \
-        else empty_scales(rows, cols, gran, dev)
+    amax = torch.empty((triton.cdiv(rows, tile_rows(scale)), grid_k), device=dev, dtype=torch.float32) \
+        if scale is not None else empty_scales(rows, cols, gran, dev)  # given scale: one amax per tile, reduced
     return data, data_t, scale_inv, scale_inv_t, amax
 
 
@@ -165,12 +178,12 @@ def _result(data, data_t, scale_inv, scale_inv_t, amax, counts, scale, transpose
     return Fp8Quantized(data, scale_inv, amax, data_t, scale_inv_t, counts)
 
 
-def _cast_constants(fp8_dtype: torch.dtype, fmt, gran: Granularity, transpose: bool, power_of_2_scale: bool,
-                    stats: bool) -> dict:
+def _cast_constants(fp8_dtype: torch.dtype, fmt, gran: Granularity, scale: torch.Tensor | None, transpose: bool,
+                    power_of_2_scale: bool, stats: bool) -> dict:
     return dict(BLOCKS=gran is Granularity.BLOCK_1X128, TRANSPOSE=transpose, POW2=power_of_2_scale, STATS=stats,
                 FP8_DTYPE=triton_fp8_dtype(fp8_dtype), FP8_MAX=fmt.max, MBITS=fmt.mantissa_bits,
                 EMIN=fmt.min_normal_exponent, SATURATION=fmt.saturation_threshold, SOFTWARE_ROUNDING=_interpreting(),
-                BM=TILE, BK=TILE)
+                BM=tile_rows(scale), BK=TILE)
 
 
 def _counts(stats: bool, dev) -> torch.Tensor | None:
@@ -194,11 +207,11 @@ def rmsnorm_quantize_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, f
     rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
     counts = _counts(stats, x.device)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    _rmsnorm_quantize_kernel[(triton.cdiv(M, TILE),)](
+    _rmsnorm_quantize_kernel[(triton.cdiv(M, tile_rows(scale)),)](
         x, weight, rstd, data.view(torch.uint8), data_t.view(torch.uint8), amax,
         scale if scale is not None else scale_inv, scale_inv, scale_inv_t, counts if stats else scale_inv, M, K, eps,
         X_DTYPE=_TORCH_TO_TL[x.dtype], OUT_DTYPE=_TORCH_TO_TL[out_dtype],
-        **_cast_constants(fp8_dtype, fmt, gran, transpose, power_of_2_scale, stats), num_warps=8)
+        **_cast_constants(fp8_dtype, fmt, gran, scale, transpose, power_of_2_scale, stats), num_warps=8)
     return _result(data, data_t, scale_inv, scale_inv_t, amax, counts, scale, transpose), rstd
 
 
@@ -218,11 +231,11 @@ def swiglu_quantize_triton(gate_up: torch.Tensor, channel_scale: torch.Tensor | 
     data, data_t, scale_inv, scale_inv_t, amax = _buffers(M, K, gran, scale, transpose, fp8_dtype, gate_up.device)
     s = channel_scale.float().contiguous() if channel_scale is not None else scale_inv
     counts = _counts(stats, gate_up.device)
-    _swiglu_quantize_kernel[(triton.cdiv(M, TILE), triton.cdiv(K, TILE))](
+    _swiglu_quantize_kernel[(triton.cdiv(M, tile_rows(scale)), triton.cdiv(K, TILE))](
         gate_up, s, data.view(torch.uint8), data_t.view(torch.uint8), amax,
         scale if scale is not None else scale_inv, scale_inv, scale_inv_t, counts if stats else scale_inv, M, K,
         HAS_CHANNEL_SCALE=channel_scale is not None, X_DTYPE=_TORCH_TO_TL[gate_up.dtype],
-        **_cast_constants(fp8_dtype, fmt, gran, transpose, power_of_2_scale, stats), num_warps=8)
+        **_cast_constants(fp8_dtype, fmt, gran, scale, transpose, power_of_2_scale, stats), num_warps=8)
     return _result(data, data_t, scale_inv, scale_inv_t, amax, counts, scale, transpose)
 
 

@@ -233,69 +233,76 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
         else:
             tensor_scale = tl.load(scale_ptr)
             program_amax = 0.0
-        if (pid_m == 0) & (pid_p == 0):
-            tl.store(scale_inv_ptr, _reciprocal(tensor_scale))
 
-    for pid_k in range(first_k, tl.minimum(first_k + TILES_PER_PROGRAM, n_k_tiles)):
-        offs_k = pid_k * BK + tl.arange(0, BK).to(tl.int64)
-        col_ok = offs_k < K
-        if MODE == 3 or (MODE == 2 and TRANSPOSE):
-            # 128-row groups: their amax first (a first pass over the slabs; the second reads them from L2).
-            group_col_amax = _tile_col_amax(x_ptr, group_row0, offs_k, col_ok, M, K, BM, SLAB)
-        if MODE == 3:
-            block_amax = _nan_max(group_col_amax, 0)
-            block_scale = _scale_from_amax(block_amax, FP8_MAX, POW2)
-            tl.store(amax_ptr + pid_m * n_k_tiles + pid_k, block_amax)
-            tl.store(scale_inv_ptr + pid_m * n_k_tiles + pid_k, _reciprocal(block_scale))
-        if TRANSPOSE:
-            # The transposed copy has its own groups: whole columns (rowwise) or 128x1 (block 1x128).
-            if MODE == 1:
-                col_scale = _scale_from_amax(tl.load(col_amax_ptr + offs_k, mask=col_ok, other=0.0), FP8_MAX, POW2)
-                if pid_m == 0:
-                    tl.store(scale_inv_t_ptr + offs_k, _reciprocal(col_scale), mask=col_ok)
-            elif MODE == 2:
-                col_scale = _scale_from_amax(group_col_amax, FP8_MAX, POW2)
-                tl.store(scale_inv_t_ptr + pid_m * K + offs_k, _reciprocal(col_scale), mask=col_ok)  # K-block-major
-
-        for row0 in range(group_row0, group_row0 + BM, SLAB):
-            x, offs_m, row_ok, mask = _load_slab(x_ptr, row0, offs_k, col_ok, M, K, SLAB)
-            if MODE == 0:
-                y = x * tensor_scale
-            elif MODE == 1:
-                row_scale = _scale_from_amax(tl.load(amax_ptr + offs_m, mask=row_ok, other=0.0), FP8_MAX, POW2)
-                if pid_k == 0:
-                    tl.store(scale_inv_ptr + offs_m, _reciprocal(row_scale), mask=row_ok)
-                y = x * row_scale[:, None]
-            elif MODE == 2:
-                # 1x128 scales (and amaxes) are K-block-major, (K/128, M) in memory: a slab's column of
-                # scales is one contiguous store, and the GEMM's K step one contiguous load.
-                row_amax = _nan_max(tl.abs(x), 1)
-                row_scale = _scale_from_amax(row_amax, FP8_MAX, POW2)
-                tl.store(amax_ptr + pid_k * M + offs_m, row_amax, mask=row_ok)
-                tl.store(scale_inv_ptr + pid_k * M + offs_m, _reciprocal(row_scale), mask=row_ok)
-                y = x * row_scale[:, None]
-            elif MODE == 3:
-                y = x * block_scale
-            else:
-                program_amax = _nan_maximum(program_amax, _nan_max(_nan_max(tl.abs(x), 1), 0))
-                y = x * tensor_scale
-            q = _to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
-            tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
-            if STATS:  # padding loads x = 0: never saturated, never a flushed nonzero
-                slab_saturated, slab_flushed = _cast_counts(x, y, q, SATURATION, CAN_SATURATE)
-                saturated += slab_saturated
-                flushed += slab_flushed
+    # A constant trip count and a guard, not range(first_k, min(first_k + TILES_PER_PROGRAM, n_k_tiles)): Triton 3.6's
+    # ptxas (the GPU image's) kept that bound in local memory across the loop, 4 B of spill in block 128x128 + stats.
+    for tile in range(0, TILES_PER_PROGRAM):
+        pid_k = first_k + tile
+        if pid_k < n_k_tiles:
+            offs_k = pid_k * BK + tl.arange(0, BK).to(tl.int64)
+            col_ok = offs_k < K
+            if MODE == 3 or (MODE == 2 and TRANSPOSE):
+                # 128-row groups: their amax first (a first pass over the slabs; the second reads them from L2).
+                group_col_amax = _tile_col_amax(x_ptr, group_row0, offs_k, col_ok, M, K, BM, SLAB)
+            if MODE == 3:
+                block_amax = _nan_max(group_col_amax, 0)
+                block_scale = _scale_from_amax(block_amax, FP8_MAX, POW2)
+                tl.store(amax_ptr + pid_m * n_k_tiles + pid_k, block_amax)
+                tl.store(scale_inv_ptr + pid_m * n_k_tiles + pid_k, _reciprocal(block_scale))
             if TRANSPOSE:
-                t_mask = col_ok[:, None] & row_ok[None, :]
-                t_ptrs = qt_ptr + offs_k[:, None] * M + offs_m[None, :]
-                if MODE == 1 or MODE == 2:
-                    qt = _to_fp8_bits(tl.trans(x) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN,
-                                      SOFTWARE_ROUNDING)
-                    tl.store(t_ptrs, qt, mask=t_mask)
+                # The transposed copy has its own groups: whole columns (rowwise) or 128x1 (block 1x128).
+                if MODE == 1:
+                    col_scale = _scale_from_amax(tl.load(col_amax_ptr + offs_k, mask=col_ok, other=0.0), FP8_MAX, POW2)
+                    if pid_m == 0:
+                        tl.store(scale_inv_t_ptr + offs_k, _reciprocal(col_scale), mask=col_ok)
+                elif MODE == 2:
+                    col_scale = _scale_from_amax(group_col_amax, FP8_MAX, POW2)
+                    tl.store(scale_inv_t_ptr + pid_m * K + offs_k, _reciprocal(col_scale), mask=col_ok)  # K-block-major
+
+            for row0 in range(group_row0, group_row0 + BM, SLAB):
+                x, offs_m, row_ok, mask = _load_slab(x_ptr, row0, offs_k, col_ok, M, K, SLAB)
+                if MODE == 0:
+                    y = x * tensor_scale
+                elif MODE == 1:
+                    row_scale = _scale_from_amax(tl.load(amax_ptr + offs_m, mask=row_ok, other=0.0), FP8_MAX, POW2)
+                    if pid_k == 0:
+                        tl.store(scale_inv_ptr + offs_m, _reciprocal(row_scale), mask=row_ok)
+                    y = x * row_scale[:, None]
+                elif MODE == 2:
+                    # 1x128 scales (and amaxes) are K-block-major, (K/128, M) in memory: a slab's column of
+                    # scales is one contiguous store, and the GEMM's K step one contiguous load.
+                    row_amax = _nan_max(tl.abs(x), 1)
+                    row_scale = _scale_from_amax(row_amax, FP8_MAX, POW2)
+                    tl.store(amax_ptr + pid_k * M + offs_m, row_amax, mask=row_ok)
+                    tl.store(scale_inv_ptr + pid_k * M + offs_m, _reciprocal(row_scale), mask=row_ok)
+                    y = x * row_scale[:, None]
+                elif MODE == 3:
+                    y = x * block_scale
                 else:
-                    tl.store(t_ptrs, tl.trans(q), mask=t_mask)
+                    program_amax = _nan_maximum(program_amax, _nan_max(_nan_max(tl.abs(x), 1), 0))
+                    y = x * tensor_scale
+                q = _to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+                tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
+                if STATS:  # padding loads x = 0: never saturated, never a flushed nonzero
+                    slab_saturated, slab_flushed = _cast_counts(x, y, q, SATURATION, CAN_SATURATE)
+                    saturated += slab_saturated
+                    flushed += slab_flushed
+                if TRANSPOSE:
+                    t_mask = col_ok[:, None] & row_ok[None, :]
+                    t_ptrs = qt_ptr + offs_k[:, None] * M + offs_m[None, :]
+                    if MODE == 1 or MODE == 2:
+                        qt = _to_fp8_bits(tl.trans(x) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN,
+                                          SOFTWARE_ROUNDING)
+                        tl.store(t_ptrs, qt, mask=t_mask)
+                    else:
+                        tl.store(t_ptrs, tl.trans(q), mask=t_mask)
 
     # once per program, not per tile
+    if MODE == 0 or MODE == 4:
+        # After the loop, not before it: there, under Triton 3.6, ptxas kept the thread index its predicate needs in
+        # local memory across the loop (8 B of spill with a given scale + stats).
+        if (pid_m == 0) & (pid_p == 0):
+            tl.store(scale_inv_ptr, _reciprocal(tensor_scale))
     if MODE == 4:
         _atomic_amax(amax_ptr, program_amax)
     if STATS:

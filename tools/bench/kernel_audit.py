@@ -1,17 +1,23 @@
 """Offline sm_90a audit of the Triton kernels: compile without a GPU, then registers/spills/smem and the GEMM's PTX.
 
-    python tools/bench/kernel_audit.py [--quick] [--markdown FILE] [--json FILE]
+    python tools/bench/kernel_audit.py [--quick] [--triton 3.6.0] [--markdown FILE] [--json FILE]
 
 No GPU is needed. A stand-in active driver reports an H100/H200 (`GPUTarget("cuda", 90, 32)`, which
 Triton compiles as sm_90a) and every `JITFunction.run` is turned into a warm-up (compile, never launch),
-so the real host code paths (`fp8_gemm_triton(..., config=...)`, `quantize_triton`) run on CPU tensors
-and specialize exactly as they would on the device (16-byte alignment, int divisibility). Each compiled
-kernel's PTX goes through the Triton wheel's own `ptxas -arch=sm_90a -v` for registers, spill bytes and
-stack; shared memory is Triton's metadata. For the GEMM the PTX is also searched for the Hopper features
-that make it fast: `wgmma.mma_async` (tensor cores), the largest `wgmma.wait_group N` (N >= 1: a wgmma
-group stays in flight while the next is issued) and `cp.async.bulk.tensor` (TMA loads).
+so the real host code paths (`fp8_gemm_triton(..., config=...)`, `quantize_triton`, the fused RMSNorm/SwiGLU
+casts) run on CPU tensors and specialize exactly as they would on the device (16-byte alignment, int
+divisibility). Audited: every GEMM a training step launches (fprop, dgrad with E5M2 gradients, wgrad accumulated
+into the fp32 main_grad; gemm_cases) in each scale mode, on the Triton kernel and the Gluon one, every quantize
+specialization (E4M3 and E5M2) and every fused prologue cast. Each compiled kernel's PTX goes through the Triton
+wheel's own `ptxas -arch=sm_90a -v` for registers, spill bytes and stack; shared memory is Triton's metadata. For
+the GEMM the PTX is also searched for the Hopper features that make it fast: `wgmma.mma_async` (tensor cores), the
+largest `wgmma.wait_group N` (N >= 1: a wgmma group stays in flight while the next is issued) and
+`cp.async.bulk.tensor` (TMA loads). `--triton VERSION` audits under another Triton release (the GPU image's torch
+2.11 + CUDA 13 pins 3.6.0) from a side venv that triton_side_venv.sh makes once.
 
-Exits 1 when an offered config fails to compile or spills, 2 when the Triton wheel has no ptxas.
+Exits 1 when an offered GEMM config or any cast fails to compile or spills, 2 when the Triton wheel has no ptxas, 3
+when --triton's side venv cannot be made because the wheel cannot be downloaded. --compare prints the --json
+reports of several runs (e.g. both Triton releases) as one table.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -163,10 +170,44 @@ class CompileRecorder:
         return False
 
 
-def gemm_cases(quick: bool):
-    """(label, offered, kwargs for fp8_gemm_triton's inputs) of every GEMM specialization to audit."""
-    import torch
+class GemmCase(NamedTuple):
+    """One GEMM specialization to compile: launch config, mode, sizes and what a training step passes."""
 
+    config: object  # triton.Config
+    offered: bool
+    mode: object  # GemmScaleMode
+    shape: tuple[int, int, int]
+    fast: bool
+    precise_kernel: str  # "triton" or "gluon"
+    gemm: str  # fprop, dgrad, wgrad (linear_function.py)
+    a_dtype: str  # "e4m3" or "e5m2"
+    out_dtype: str  # "bf16" or "fp32"
+    accumulate: bool
+
+    @property
+    def name(self) -> str:
+        """fprop keeps the short labels of earlier tables ("rowwise fast-accum 512x512x512"); the backward GEMMs
+        say which, their operands and output: "blockwise_1x128 wgrad e5m2xe4m3 fp32+= 512x512x512"."""
+        M, N, K = self.shape
+        what = " fast-accum" if self.fast else ""
+        if self.gemm != "fprop":
+            what = f" {self.gemm} {self.a_dtype}xe4m3 {self.out_dtype}{'+=' if self.accumulate else ''}"
+        return f"{self.mode.value}{what} {M}x{N}x{K}"
+
+
+# The backward GEMMs of a training step (megafp8/fp8/linear_function.py), precise (fp32 promotion every 128 of K):
+# dgrad dY (E5M2 in the default hybrid format) x W^T (E4M3) to bf16, and wgrad dY^T x x^T accumulated into the fp32
+# main_grad (out=, accumulate=True). Per recipe: tensorwise/delayed and rowwise use the same mode for both; blockwise
+# runs dgrad as 1x128 x 128x128 ("blockwise") and wgrad as 1x128 x 1x128, with E4M3 gradients by default (its
+# E4M3 dgrad is the fprop case) and E5M2 ones with fp8_format="hybrid". fprop is E4M3 x E4M3 to bf16.
+_BACKWARD_GEMMS = (("dgrad", "e5m2", "bf16", False, ("tensorwise", "rowwise", "blockwise")),
+                   ("wgrad", "e5m2", "fp32", True, ("tensorwise", "rowwise", "blockwise_1x128")),
+                   ("wgrad", "e4m3", "fp32", True, ("blockwise_1x128",)))
+
+
+def gemm_cases(quick: bool):
+    """Every GEMM specialization to audit (GemmCase). --quick: the default config and the Gluon kernel only, the
+    odd size for fprop only in the blockwise mode, every backward GEMM at both sizes."""
     from megafp8_kernels import gemm as G
     from megafp8_kernels.scaling import GemmScaleMode
 
@@ -175,19 +216,27 @@ def gemm_cases(quick: bool):
     if quick:
         configs = [(G.SM90_DEFAULT_CONFIG, True)]
     shapes = [(512, 512, 512), (70, 90, 300)]  # aligned, and odd sizes whose strides are not multiples of 16
-    for config, offered in configs:
+    # The precise path's Gluon kernel (gemm_hopper.py, MEGAFP8_GEMM_PRECISE_KERNEL=gluon) runs every precise GEMM.
+    kernels = [(config, offered, "triton") for config, offered in configs] + [(G.SM90_PROMOTED_CONFIG, True, "gluon")]
+    for config, offered, precise_kernel in kernels:
         for mode in modes:
-            for M, N, K in shapes if offered else shapes[:1]:
-                for fast in ((False, True) if mode in (GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE) else (False,)):
-                    if quick and (M, N, K) != shapes[0] and mode != GemmScaleMode.BLOCKWISE:
+            for shape in shapes if offered else shapes[:1]:
+                fast_options = (False, True) if mode in (GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE) else (False,)
+                for fast in fast_options if precise_kernel == "triton" else (False,):
+                    if quick and shape != shapes[0] and mode != GemmScaleMode.BLOCKWISE:
                         continue
-                    yield config, offered, mode, (M, N, K), fast, "triton"
-    # The precise path's Gluon kernel (gemm_hopper.py, MEGAFP8_GEMM_PRECISE_KERNEL=gluon): every mode, both sizes.
-    for mode in modes:
-        for M, N, K in shapes:
-            if quick and (M, N, K) != shapes[0] and mode != GemmScaleMode.BLOCKWISE:
-                continue
-            yield G.SM90_PROMOTED_CONFIG, True, mode, (M, N, K), False, "gluon"
+                    yield GemmCase(config, offered, mode, shape, fast, precise_kernel, "fprop", "e4m3", "bf16", False)
+        for gemm, a_dtype, out_dtype, accumulate, mode_names in _BACKWARD_GEMMS if offered else ():
+            for mode in (GemmScaleMode(name) for name in mode_names):
+                for shape in shapes:
+                    yield GemmCase(config, offered, mode, shape, False, precise_kernel, gemm, a_dtype, out_dtype,
+                                   accumulate)
+
+
+def _fp8_dtype(name: str):
+    import torch
+
+    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[name]
 
 
 def _scales(mode, M, N, K):
@@ -212,26 +261,31 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
 
     ptxas = ptxas_path()
     rows, failures = [], []
-    for case_index, (config, offered, mode, (M, N, K), fast, precise_kernel) in enumerate(gemm_cases(quick)):
+    case_index = -1
+    for case_index, case in enumerate(gemm_cases(quick)):
         if case_index % shard[1] != shard[0]:
             continue
+        config, offered, mode, (M, N, K), fast, precise_kernel = case[:6]
         c = config.kwargs
         label = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
         if precise_kernel == "gluon":
             label += " gluon"
         elif config is G.SM90_DEFAULT_CONFIG:
             label += " (default)"
-        name = f"{mode.value}{' fast-accum' if fast else ''} {M}x{N}x{K}"
-        a = torch.zeros(M, K, dtype=torch.float8_e4m3fn)
+        name = case.name
+        a = torch.zeros(M, K, dtype=_fp8_dtype(case.a_dtype))
         b = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
         sa, sb = _scales(mode, M, N, K)
-        row = {"kernel": "fp8_gemm", "config": label, "case": name, "offered": offered, "precise_kernel": precise_kernel}
+        out_dtype = torch.float32 if case.out_dtype == "fp32" else torch.bfloat16
+        out = torch.zeros(M, N, dtype=out_dtype) if case.accumulate else None
+        row = {"kernel": "fp8_gemm", "config": label, "case": name, "offered": offered,
+               "precise_kernel": precise_kernel, "gemm": case.gemm}
         try:
             if precise_kernel == "gluon" and GLUON_GEMM_KERNEL_NAME is None:
                 raise RuntimeError(gluon_error)
             with CompileRecorder() as rec:
-                G.fp8_gemm_triton(a, b, sa, sb, out_dtype=torch.bfloat16, config=config, fast_accum=fast,
-                                  precise_kernel=precise_kernel)
+                G.fp8_gemm_triton(a, b, sa, sb, out_dtype=out_dtype, out=out, accumulate=case.accumulate,
+                                  config=config, fast_accum=fast, precise_kernel=precise_kernel)
             (fn_name, kernel), = [k for k in rec.kernels if k[0] in (G.GEMM_KERNEL_NAME, GLUON_GEMM_KERNEL_NAME)]
             row.update(_describe(kernel, ptxas))
         except Exception as err:
@@ -243,38 +297,46 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
                                                                    and not row.get("wgmma_serialized")):
             failures.append(f"gemm {label} {name}: no wgmma group in flight in the SASS mainloop")
 
-    if shard[0] != 0:  # the quantize kernels go with the first shard
-        return rows, failures
-    rows += quantize_rows(ptxas, failures)
+    # The casts continue the case numbering, so shards (gpu_check.sh's parallel precompile) share them too.
+    first = case_index + 1
+    rows += quantize_rows(ptxas, failures, shard, first)
+    rows += norm_quantize_rows(ptxas, failures, shard, first + len(list(quantize_cases())))
     return rows, failures
 
 
 def quantize_cases():
     """(case label, quantize_triton kwargs) of every quantize specialization: each granularity, and the given
-    (delayed) scale, with and without the transposed copy and the stats counts."""
+    (delayed) scale, with and without the transposed copy and the stats counts, in E4M3 (activations, weights) and
+    E5M2 (the hybrid format's gradients, labelled "e5m2": other constants, so other code)."""
     import torch
 
-    for gran in ("tensorwise", "rowwise", "block_1x128", "block_128x128", "given scale"):
-        for transpose in (False, True):
-            for stats in (False, True):
-                kwargs = dict(granularity_=gran, transpose=transpose, stats=stats)
-                if gran == "given scale":
-                    kwargs.update(granularity_="tensorwise", scale=torch.ones(()))
-                yield f"{gran}{' transpose' if transpose else ''}{' stats' if stats else ''}", kwargs
+    for dtype in ("e4m3", "e5m2"):
+        for gran in ("tensorwise", "rowwise", "block_1x128", "block_128x128", "given scale"):
+            for transpose in (False, True):
+                for stats in (False, True):
+                    kwargs = dict(fp8_dtype=_fp8_dtype(dtype), granularity_=gran, transpose=transpose, stats=stats)
+                    if gran == "given scale":
+                        kwargs.update(granularity_="tensorwise", scale=torch.ones(()))
+                    label = f"{gran}{' transpose' if transpose else ''}{' stats' if stats else ''}"
+                    yield label + (" e5m2" if dtype == "e5m2" else ""), kwargs
 
 
-def quantize_rows(ptxas: str | None, failures: list[str]) -> list[dict]:
+def quantize_rows(ptxas: str | None, failures: list[str], shard: tuple[int, int] = (0, 1),
+                  first: int = 0) -> list[dict]:
     """One row per distinct compiled quantize kernel (the amax kernel is shared by several casts: it is
-    listed under the first), labelled with its launch: warps, tiles per program, rows held at once."""
+    listed under the first), labelled with its launch: warps, tiles per program, rows held at once. Case i is
+    this shard's when (first + i) % shard[1] == shard[0]."""
     import torch
 
     from megafp8_kernels import quantize_triton as Q
 
     x = torch.randn(256, 384).to(torch.bfloat16)
     rows, seen = [], set()
-    for case, kwargs in quantize_cases():
+    for index, (case, kwargs) in enumerate(quantize_cases(), first):
+        if index % shard[1] != shard[0]:
+            continue
         with CompileRecorder() as rec:
-            Q.quantize_triton(x, torch.float8_e4m3fn, **kwargs)
+            Q.quantize_triton(x, **kwargs)
         for fn_name, kernel in rec.kernels:
             if (fn_name, kernel.hash) in seen:
                 continue
@@ -286,6 +348,65 @@ def quantize_rows(ptxas: str | None, failures: list[str]) -> list[dict]:
             rows.append(row)
             if row.get("spill_store_bytes") or row.get("spill_load_bytes"):
                 failures.append(f"{fn_name} {case}: spills")
+    return rows
+
+
+NORM_QUANTIZE_KERNELS = ("_rmsnorm_quantize_kernel", "_swiglu_quantize_kernel")
+
+
+def norm_quantize_cases():
+    """(case label, kernel name, call) of every fused prologue cast (norm_quantize_triton.py) on bf16 activations: the
+    recipes it fuses (a given scale, i.e. delayed scaling, and 1x128 blocks), with the transposed copy (training) and
+    without (a forward under no_grad, e.g. validation), with and without the saturated/flushed counts (stats: on in
+    every default FP8 run, the saturation guard's telemetry), and SwiGLU with Smooth-SwiGLU's channel scales. The
+    norm weight is bf16 as under --bf16 (model_setup.py's params_dtype); an fp32 one (fp32 parameters, bf16
+    activations) rounds the output to fp32 instead, other code: audited with x^T + stats ("fp32 weight")."""
+    import torch
+
+    from megafp8_kernels.norm_quantize_triton import rmsnorm_quantize_triton, swiglu_quantize_triton
+
+    x = torch.randn(256, 384).to(torch.bfloat16)
+    gate_up, channel_scale = torch.randn(256, 768).to(torch.bfloat16), torch.ones(384)
+    for gran, scale in (("tensorwise", torch.ones(())), ("block_1x128", None)):
+        for transpose in (True, False):
+            for stats in (False, True):
+                kw = dict(scale=scale, transpose=transpose, stats=stats)
+                label = f"{'given scale' if scale is not None else gran}{' transpose' if transpose else ''}" \
+                        f"{' stats' if stats else ''}"
+                weights = [(torch.bfloat16, "")]
+                if transpose and stats:
+                    weights.append((torch.float32, " fp32 weight"))
+                for dtype, what in weights:
+                    yield label + what, "_rmsnorm_quantize_kernel", \
+                        lambda kw=kw, gran=gran, w=torch.ones(384, dtype=dtype): \
+                        rmsnorm_quantize_triton(x, w, 1e-5, torch.float8_e4m3fn, gran, **kw)
+                for s, what in ((None, ""), (channel_scale, " smooth-swiglu")):
+                    yield label + what, "_swiglu_quantize_kernel", \
+                        lambda kw=kw, gran=gran, s=s: \
+                        swiglu_quantize_triton(gate_up, s, torch.float8_e4m3fn, gran, **kw)
+
+
+def norm_quantize_rows(ptxas: str | None, failures: list[str], shard: tuple[int, int] = (0, 1),
+                       first: int = 0) -> list[dict]:
+    """One row per fused prologue cast (norm_quantize_cases), labelled with its warps and the rows a program holds."""
+    from megafp8_kernels import norm_quantize_triton as NQ
+
+    rows = []
+    for index, (case, kernel_name, call) in enumerate(norm_quantize_cases(), first):
+        if index % shard[1] != shard[0]:
+            continue
+        held = NQ.GIVEN_SCALE_ROWS if case.startswith("given scale") else NQ.TILE
+        row = {"kernel": kernel_name, "config": f"w8 {held}x{NQ.TILE} tiles", "case": case, "offered": True}
+        try:
+            with CompileRecorder() as rec:
+                call()
+            (_, kernel), = [k for k in rec.kernels if k[0] == kernel_name]
+            row.update(config=f"w{kernel.metadata.num_warps} {held}x{NQ.TILE} tiles", **_describe(kernel, ptxas))
+        except Exception as err:  # e.g. an API another Triton release lacks: its row fails, the others still run
+            row["error"] = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+        rows.append(row)
+        if "error" in row or row.get("spill_store_bytes") or row.get("spill_load_bytes"):
+            failures.append(f"{kernel_name} {case}: {row.get('error') or 'spills'}")
     return rows
 
 
@@ -316,15 +437,77 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compare_markdown(reports: list[dict]) -> str:
+    """One table of several --json reports (e.g. Triton 3.9.0 and 3.6.0): registers, spill bytes (st/ld) and the SASS
+    "wgmma in flight" column (with the FP ops under the wait) per Triton version, rows matched by kernel, config and
+    case."""
+    versions = [report.get("triton", "?") for report in reports]
+    head = " | ".join(f"registers {v} | spills {v}" for v in versions)
+    flight = " / ".join(versions)
+    lines = [f"| kernel | config | case | {head} | shared KB | wgmma in flight (FP ops under it; {flight}) |",
+             "|---|---|---|" + "---|---|" * len(versions) + "---|---|"]
+    keyed = [{(r["kernel"], r["config"], r["case"]): r for r in report["rows"]} for report in reports]
+    order = list(dict.fromkeys(key for rows in keyed for key in rows))
+    for key in order:
+        cells, shared, flights = [], "", []
+        for rows in keyed:
+            r = rows.get(key)
+            if r is None or "error" in r:
+                cells.append(f"{'failed' if r else 'not audited'} | ")
+                flights.append("-")
+                continue
+            cells.append(f"{r.get('registers')} | {r.get('spill_store_bytes')}/{r.get('spill_load_bytes')}")
+            shared = f"{r['shared_bytes'] / 1024:.0f}"
+            state = {None: "-", False: "no", True: "yes"}[r.get("sass_wait_in_flight") if r["wgmma"] else None]
+            flights.append(f"{state} ({r['sass_math_under_wait']})" if state == "yes" else state)
+        offered = all(rows[key].get("offered", True) for rows in keyed if key in rows)
+        config = key[1] + ("" if offered else " (not offered)")
+        lines.append(f"| {key[0]} | {config} | {key[2]} | {' | '.join(cells)} | {shared} | {' / '.join(flights)} |")
+    return "\n".join(lines)
+
+
+SIDE_VENV_SCRIPT = Path(__file__).resolve().with_name("triton_side_venv.sh")
+REGISTRY_UNREACHABLE = 3  # triton_side_venv.sh's exit code when the Triton wheel cannot be downloaded
+
+
+def under_triton(version: str, script: str, argv: list[str]) -> int | None:
+    """None when the imported Triton is `version`; else runs `script argv` with the python of a side venv holding
+    that Triton (triton_side_venv.sh creates it once, from PyPI, beside .venv) and returns its exit code, or
+    REGISTRY_UNREACHABLE when the venv cannot be made because the wheel cannot be downloaded."""
+    import triton
+
+    if triton.__version__ == version:
+        return None
+    made = subprocess.run(["bash", str(SIDE_VENV_SCRIPT), "--version", version, "--python", sys.executable],
+                          stdout=subprocess.PIPE, text=True)
+    if made.returncode != 0:
+        print(f"kernel_audit: no side venv with triton=={version} (triton_side_venv.sh exit {made.returncode})",
+              file=sys.stderr)
+        return REGISTRY_UNREACHABLE if made.returncode == REGISTRY_UNREACHABLE else 1
+    python = made.stdout.strip().splitlines()[-1]
+    return subprocess.run([python, script, *argv]).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="only the default GEMM config (a representative set)")
+    parser.add_argument("--quick", action="store_true", help="GEMMs: the default config and the Gluon kernel only")
     parser.add_argument("--shard", default="0/1", help="I/N: audit every N-th case from the I-th (parallel precompiles)")
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--compare", nargs="+", metavar="JSON", help="print one table of these --json reports "
+                        "(registers and spills per Triton version) and exit")
+    parser.add_argument("--triton", metavar="VERSION", help="audit under this Triton release (e.g. 3.6.0, the GPU "
+                        "image's) from a side venv made by triton_side_venv.sh when the installed one differs")
     args = parser.parse_args(argv)
+    if args.compare:
+        print(compare_markdown([json.loads(Path(path).read_text()) for path in args.compare]))
+        return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 is set: the audit compiles real kernels; unset it")
+    if args.triton:
+        code = under_triton(args.triton, __file__, sys.argv[1:] if argv is None else argv)
+        if code is not None:
+            return code
     if ptxas_path() is None:
         print("kernel_audit: the Triton wheel has no ptxas for sm_90a; cannot audit", file=sys.stderr)
         return 2
@@ -339,7 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
+        import triton
+
+        Path(args.json).write_text(json.dumps({"triton": triton.__version__, "rows": rows, "failures": failures},
+                                              indent=1))
     for failure in failures:
         print(f"FAIL {failure}")
     return 1 if failures else 0
