@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from op_counting import OpCounter
 from optim_testing import build, make_ddp, tiny_config, train_step
+from test_optim_op_count import counted_warm_step
 from megafp8.optim import DistributedOptimizer, fused_adamw
 from megafp8.parallel.parallel_state import ParallelState
 
@@ -128,24 +128,10 @@ class _Launches:
 
 def fused_step_cost(hidden: int, monkeypatch, poison: bool = False, num_layers: int = 2) -> tuple[int, int, int, int]:
     """(aten ops, host reads, kernel launches) of one warm fused step, and the parameter count."""
-    ps = ParallelState().init_process_groups()
-    cfg = tiny_config(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, vocab_size=256)
-    ddp = make_ddp(build(cfg, ps), ps, use_distributed_optimizer=True)
-    opt = DistributedOptimizer(ddp, weight_decay=0.1, clip_grad=1.0, fused_step=True)
-    train_step(ddp, opt, cfg, 0, 1e-3)
-    count, launches, step = OpCounter(), _Launches(monkeypatch), opt.step
-
-    def counted_step(lr):
-        with count:
-            return step(lr)
-
-    def poison_grads():
-        ddp.buckets[0].grad_data[0] = float("nan")
-
-    opt.step = counted_step
-    result, _ = train_step(ddp, opt, cfg, 1, 1e-3, before_step=poison_grads if poison else None)
-    assert result.skipped == poison
-    return count.ops, count.host_reads, launches.count, ddp.num_params()
+    launches = []  # counted from the warm step on
+    count, params = counted_warm_step(hidden, poison, num_layers, fused_step=True,
+                                      after_warmup=lambda: launches.append(_Launches(monkeypatch)))
+    return count.ops, count.host_reads, launches[0].count, params
 
 
 @interpreted

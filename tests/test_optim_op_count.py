@@ -18,13 +18,18 @@ FP8_BUDGET = 500  # aten ops per step with --fp8-param-gather (the compressed pr
 VIEW_OPS = {"aten::slice", "aten::view", "aten::detach"}
 
 
-def _step_ops(hidden: int, master: str, states: str, poison: bool) -> tuple[int, int, int]:
+def counted_warm_step(hidden: int, poison: bool, num_layers: int = 2, after_warmup=None,
+                      **optimizer_kw) -> tuple[OpCounter, int]:
+    """The op counter of one warm optimizer step (after a first one) of a tiny model, and its parameter count;
+    ``poison`` makes that step's grads non-finite (it must then be skipped); ``after_warmup()`` runs between the
+    two steps (e.g. to start another counter)."""
     ps = ParallelState().init_process_groups()
-    cfg = tiny_config(hidden_size=hidden, ffn_hidden_size=4 * hidden, vocab_size=256)
+    cfg = tiny_config(num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, vocab_size=256)
     ddp = make_ddp(build(cfg, ps), ps, use_distributed_optimizer=True)
-    opt = DistributedOptimizer(ddp, weight_decay=0.1, clip_grad=1.0, master_weight_dtype=master,
-                               optimizer_state_dtype=states)
+    opt = DistributedOptimizer(ddp, weight_decay=0.1, clip_grad=1.0, **optimizer_kw)
     train_step(ddp, opt, cfg, 0, 1e-3)
+    if after_warmup is not None:
+        after_warmup()
     count = OpCounter()
 
     original = opt.step
@@ -39,7 +44,12 @@ def _step_ops(hidden: int, master: str, states: str, poison: bool) -> tuple[int,
     opt.step = counted_step
     result, _ = train_step(ddp, opt, cfg, 1, 1e-3, before_step=poison_grads if poison else None)
     assert result.skipped == poison
-    return count.ops, count.host_reads, ddp.num_params()
+    return count, ddp.num_params()
+
+
+def _step_ops(hidden: int, master: str, states: str, poison: bool) -> tuple[int, int, int]:
+    count, params = counted_warm_step(hidden, poison, master_weight_dtype=master, optimizer_state_dtype=states)
+    return count.ops, count.host_reads, params
 
 
 @pytest.mark.parametrize("master, states", [("fp32", "fp32"), ("fp16", "fp8")], ids=["fp32", "compressed"])
