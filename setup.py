@@ -18,14 +18,16 @@ setup(
     extras_require={
         # Peers the tests compare against: transformers (HF Llama), megatron-core (.bin/.idx, data order, LR
         # schedule), torchao (low-bit AdamW), accelerate (transformers needs it to load an FP8 export);
-        # tensorboard and matplotlib are what the reports write with.
+        # tensorboard and matplotlib are what the reports write with; wandb what --wandb-project logs with.
         "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
-                 "tensorboard", "matplotlib", "accelerate"],
+                 "tensorboard", "matplotlib", "accelerate", "wandb"],
         "data": ["sentencepiece", "tokenizers"],
         # What --tensorboard-dir writes with; the README's main job (examples/quickstart.sh) installs
         # `.[data,tensorboard]`, exactly what it runs (tests/test_quickstart.py runs that line in a fresh venv).
         "tensorboard": ["tensorboard"],
         "report": ["matplotlib", "tensorboard"],
+        # What --wandb-project logs with (WANDB_MODE=offline needs no network or account).
+        "wandb": ["wandb"],
     },
     entry_points={
         "console_scripts": [

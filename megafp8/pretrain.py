@@ -17,7 +17,13 @@ from megafp8.data.indexed_dataset import IndexedDataset
 from megafp8.data.token_range import token_range_error
 from megafp8.parallel.parallel_state import LayoutError, initialize_distributed
 from megafp8.training.arguments import parse_and_check
-from megafp8.training.data_setup import split_errors, split_warnings, tokenizer_vocab_size, training_length_errors
+from megafp8.training.data_setup import (
+    data_cache_dir,
+    split_errors,
+    split_warnings,
+    tokenizer_from_args,
+    training_length_errors,
+)
 from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args
 
 
@@ -34,14 +40,24 @@ def _fail(message: str) -> int:
 def input_errors(args) -> tuple[int | None, list[str]]:
     """(the tokenizer's vocabulary size, every problem with the tokenizer, the data prefixes and their indexes,
     the test hook); cheap: each index is opened and checked, and each .bin's token id range is read once (then
-    cached beside the index arrays)."""
+    cached with the index arrays: --data-cache-path, else beside the data). --mock-data has no data to check, but
+    its documents are cut from the tokenizer's vocabulary and end-of-document id: it needs a whole tokenizer."""
     errors: list[str] = []
     vocab_size = None
-    if args.tokenizer_model is not None or (args.tokenizer_type == "NullTokenizer" and args.vocab_size is not None):
+    mock_data = getattr(args, "mock_data", False)
+    if _tokenizer_given(args):
         try:
-            vocab_size = tokenizer_vocab_size(args)
+            tokenizer = tokenizer_from_args(args)
+            vocab_size = tokenizer.vocab_size
+            if mock_data and tokenizer.eod is None:
+                errors.append(f"--mock-data: --tokenizer-type {args.tokenizer_type} has no end-of-document id "
+                              "to end the synthetic documents with")
         except (ValueError, OSError, RuntimeError) as e:
             errors.append(str(e))
+    elif mock_data and args.tokenizer_type not in _PARSER_CHECKED:  # no --tokenizer-model: no vocabulary to cut from
+        errors.append(f"--mock-data: --tokenizer-type {args.tokenizer_type} needs --tokenizer-model (the synthetic "
+                      "documents take its vocabulary size and end-of-document id), or use --tokenizer-type "
+                      "NullTokenizer --vocab-size N")
     if args.data_path:
         first_data_error = len(errors)
         try:
@@ -59,7 +75,7 @@ def input_errors(args) -> tuple[int | None, list[str]]:
                 errors.append(f"--data-path {prefix}: holds {dataset.dtype.name} values, not token ids (integers)")
                 continue
             if vocab_size is not None:  # ids past the vocabulary would train silently (masked or padding rows)
-                error = token_range_error(prefix, vocab_size, default_cache_dir(prefix))
+                error = token_range_error(prefix, vocab_size, data_cache_dir(args) or default_cache_dir(prefix))
                 if error:
                     errors.append(error)
         if prefixes and len(errors) == first_data_error:  # the data opens: does it last --train-iters/-samples?
@@ -76,6 +92,20 @@ def input_errors(args) -> tuple[int | None, list[str]]:
         except ValueError as e:
             errors.append(str(e))
     return vocab_size, errors
+
+
+# Tokenizer types whose missing flags the parser reports whatever the data (--vocab-size; --vocab-file and
+# --merge-file); the others need --tokenizer-model, which it asks for with --data-path only.
+_PARSER_CHECKED = ("NullTokenizer", "GPT2BPETokenizer")
+
+
+def _tokenizer_given(args) -> bool:
+    """Whether the flags name a whole tokenizer (a missing part is the parser's message, not a failed load)."""
+    if args.tokenizer_type == "NullTokenizer":
+        return args.vocab_size is not None
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        return getattr(args, "vocab_file", None) is not None and getattr(args, "merge_file", None) is not None
+    return args.tokenizer_model is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", help="SentencePiece .model, or tokenizer.json / local HF directory")
     group.add_argument("--vocab-size", type=int, help="vocabulary size for NullTokenizer")
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer: its vocab.json")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer: its merges.txt")
     group.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     # HuggingFace tokenizers encode batches on a Rayon pool sized once, from this variable, at first use.
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(args.workers, 1)))
     try:
-        tokenizer = tokenizer_from_args(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = tokenizer_from_args(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                        vocab_file=args.vocab_file, merge_file=args.merge_file)
         summary = preprocess(
             args.input,
             args.output_prefix,

@@ -4,6 +4,7 @@ accepted values, default and the parser's help, straight from megafp8.training.a
 
     python tools/print_flags.py                  # all groups
     python tools/print_flags.py --group "precision and FP8"
+    python tools/print_flags.py --megatron       # Megatron-LM's flags / refused / megafp8's own (docs/training.md)
 """
 from __future__ import annotations
 
@@ -52,10 +53,38 @@ def markdown(groups: dict[str, list[argparse.Action]]) -> str:
     return "\n".join(lines)
 
 
+def megatron_groups() -> str:
+    """Every flag megafp8 knows in three tables: Megatron-LM's with its meaning (refused values named), Megatron-LM's
+    refused outright (with the reason), megafp8's own (docs/training.md "Megatron-LM's flags" is this output)."""
+    from megafp8.training.megatron_flags import DEFAULTS_THAT_DIFFER, MEGAFP8_ONLY, REFUSED_FLAGS, REFUSED_VALUES
+
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    same = [a for a in actions if a.option_strings[0] not in MEGAFP8_ONLY | REFUSED_FLAGS.keys()]
+
+    def note(flag: str) -> str:
+        parts = [f"refused: {REFUSED_VALUES[flag]}"] if flag in REFUSED_VALUES else []
+        parts += [f"default differs: {DEFAULTS_THAT_DIFFER[flag]}"] if flag in DEFAULTS_THAT_DIFFER else []
+        return "; ".join(parts)
+
+    lines = ["#### Same meaning as in Megatron-LM, defaults included", "",
+             "| flag | default | notes |", "|---|---|---|"]
+    lines += [f"| `{a.option_strings[0]}` | {_default(a)} | {note(a.option_strings[0])} |" for a in same]
+    lines += ["", "#### Megatron-LM's, refused with the reason", "", "| flag | why |", "|---|---|"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in REFUSED_FLAGS.items()]
+    lines += ["", "#### megafp8's own (not in Megatron-LM)", "", "| flag |", "|---|"]
+    lines += [f"| `{a.option_strings[0]}` |" for a in actions if a.option_strings[0] in MEGAFP8_ONLY]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", default=None, help="print only this group (its title in --help)")
+    parser.add_argument("--megatron", action="store_true",
+                        help="print the flags as Megatron-LM's (same meaning) / Megatron-LM's refused / megafp8's own")
     args = parser.parse_args(argv)
+    if args.megatron:
+        print(megatron_groups(), end="")
+        return 0
     groups = flag_groups()
     if args.group is not None:
         if args.group not in groups:

@@ -15,7 +15,9 @@ from typing import Any
 from megafp8.checkpoint.errors import CheckpointError
 
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "vocab_size", "untie_embeddings_and_output_weights")
+              "kv_channels", "vocab_size", "untie_embeddings_and_output_weights",
+              # zero-centred norm gains are stored as w, plain ones as 1 + w: the same bytes mean another model
+              "layernorm_zero_centered_gamma")
 MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_base", "use_rope_scaling",
              "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
              "rope_scaling_original_max_position_embeddings", "activation",
@@ -24,7 +26,8 @@ MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_ba
              "global_batch_size", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_samples",
              "lr_decay_iters", "lr_decay_samples", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
              "clip_grad", "master_weight_dtype", "optimizer_state_dtype", "seed", "data_path", "split",
-             "tokenizer_type")
+             "tokenizer_type", "attention_dropout", "hidden_dropout", "calculate_per_token_loss", "decoupled_lr",
+             "decoupled_min_lr", "lr_warmup_fraction", "mock_data", "vocab_file", "merge_file")
 
 
 class ArgsMismatchError(CheckpointError):

@@ -70,7 +70,7 @@ def samples_available(data_path: Sequence[str] | str, split: str, seq_length: in
 
 
 def default_cache_dir(path_prefix: str) -> str:
-    """Where index caches go unless told otherwise: a ``cache/`` folder beside the data."""
+    """Where index caches go without ``--data-cache-path``: a ``cache/`` folder beside the data."""
     return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")
 
 
@@ -84,6 +84,7 @@ def build_train_valid_test_datasets(
     test_samples: int | None,
     cache_dir: str | None = None,
     add_extra_token_to_sequence: bool = True,
+    mmap_bin_files: bool = True,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """(train, valid, test) datasets of ``{"tokens": LongTensor[seq_length + 1]}`` samples.
 
@@ -91,10 +92,13 @@ def build_train_valid_test_datasets(
     same ``--data-path``, ``--split``, seed, sequence length and sample counts. A count of ``None``
     means one epoch of that split (for a weighted blend, a megafp8 extension: until its first member
     would repeat); ``0``, or a split with no documents, gives ``None`` for that split.
+
+    ``cache_dir`` (``--data-cache-path``) holds every index cache; ``None`` puts each beside its data.
+    ``mmap_bin_files=False`` (``--no-mmap-bin-files``) reads the .bin files with file reads: the same samples.
     """
     weights, prefixes = parse_data_path(data_path)
     split_weights = parse_split(split)
-    datasets = [IndexedDataset(p) for p in prefixes]
+    datasets = [IndexedDataset(p, mmap=mmap_bin_files) for p in prefixes]
     ranges = [split_ranges(len(ds), split_weights) for ds in datasets]
     requested = (train_samples, valid_samples, test_samples)
     built = []

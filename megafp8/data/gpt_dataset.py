@@ -13,7 +13,8 @@ consumed-samples position means the same data here. Three index arrays define th
     shuffle index   a permutation of all those samples (the final epoch's, when separate, apart)
 
 The sample index is vectorized numpy (a cumulative sum and one ``searchsorted``) equal to Megatron's C++
-``build_sample_idx``. The arrays are cached as ``.npy`` beside the data (see ``index_cache``).
+``build_sample_idx``. The arrays are cached as ``.npy`` in the cache directory (``--data-cache-path``, by
+default beside the data; see ``index_cache``).
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        indexed_dataset: IndexedDataset,
+        indexed_dataset: IndexedDataset,  # or a MockLowLevelDataset (--mock-data)
         documents: np.ndarray,
         num_samples: int | None,
         seq_length: int,
@@ -182,8 +183,7 @@ class GPTDataset(torch.utils.data.Dataset):
         description = {
             "class": "GPTDataset",
             "index_version": _INDEX_VERSION,
-            "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
-            "dataset_fingerprint": dataset_fingerprint(indexed_dataset.path_prefix),
+            **_describe_source(indexed_dataset),
             "split": split_name,
             "documents": _describe_documents(documents),
             "num_samples": num_samples,  # None (one epoch) and its count give the same arrays, but keep them apart
@@ -241,6 +241,15 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         return {"tokens": torch.from_numpy(self.sample(idx))}
+
+
+def _describe_source(dataset) -> dict:
+    """The low-level dataset's part of the cache key: a .bin/.idx pair's path and content fingerprint, or what a
+    synthetic one (``mock_dataset``) says its sequence lengths follow from."""
+    if isinstance(dataset, IndexedDataset):
+        return {"path_prefix": os.path.abspath(dataset.path_prefix),
+                "dataset_fingerprint": dataset_fingerprint(dataset.path_prefix)}
+    return dataset.cache_identity()
 
 
 def _describe_documents(documents: np.ndarray) -> dict:

@@ -122,15 +122,57 @@ def _read_index(path: str, validate: bool) -> tuple[np.dtype, np.ndarray, np.nda
     return DTYPE_CODES[code], lengths, pointers, document_indices
 
 
-class IndexedDataset:
-    """Memory-mapped, read-only view of ``PREFIX.bin``/``PREFIX.idx``; ``ds[i]`` is sequence ``i`` as numpy.
+class _MMapBinReader:
+    """Tokens of a .bin through one read-only memory map (the default: pages shared by every reader)."""
 
-    Opening checks the header, that the index size matches its declared counts, that the pointers follow
-    from the lengths (skippable with ``validate=False`` for huge indices) and that the .bin size matches.
+    def __init__(self, path: str, dtype: np.dtype, num_tokens: int) -> None:
+        # np.memmap refuses empty files; an empty dataset is legal (e.g. a job whose input was all bad).
+        self._tokens = np.memmap(path, dtype=dtype, mode="r") if num_tokens else np.empty(0, dtype=dtype)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        return self._tokens[start : start + count]
+
+
+class _FileBinReader:
+    """Tokens of a .bin by positioned file reads (Megatron's ``--no-mmap-bin-files``): for file systems where
+    mapping a large file is slow or unsupported. ``os.pread`` keeps no file position, so one descriptor serves
+    every caller, threads and forked data-loader workers included."""
+
+    def __init__(self, path: str, dtype: np.dtype, num_tokens: int) -> None:
+        self._dtype = dtype
+        self._num_tokens = num_tokens
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        # Clipped at the end of the file, as slicing the memory map is: the two readers return the same arrays.
+        tokens = np.empty(max(min(count, self._num_tokens - start), 0), dtype=self._dtype)
+        view = memoryview(tokens).cast("B")
+        offset, done = start * self._dtype.itemsize, 0
+        while done < len(view):  # pread may return less than asked (very large reads); EOF cannot happen here
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise IndexedDatasetError(f"short read at byte {offset + done} of a .bin file (truncated while open?)")
+            done += n
+        return tokens
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+class IndexedDataset:
+    """Read-only view of ``PREFIX.bin``/``PREFIX.idx``; ``ds[i]`` is sequence ``i`` as numpy.
+
+    The .idx is memory-mapped; the .bin too unless ``mmap=False`` (Megatron's ``--no-mmap-bin-files``), which
+    reads it with file reads instead: the same tokens either way. Opening checks the header, that the index
+    size matches its declared counts, that the pointers follow from the lengths (skippable with
+    ``validate=False`` for huge indices) and that the .bin size matches.
     """
 
-    def __init__(self, path_prefix: str, validate: bool = True) -> None:
+    def __init__(self, path_prefix: str, validate: bool = True, mmap: bool = True) -> None:
         self.path_prefix = path_prefix
+        self.mmap = mmap
         self._validate = validate
         self._open()
 
@@ -154,17 +196,15 @@ class IndexedDataset:
                 f"{data}: sizes don't add up: {bin_size} bytes, but {index} describes {needed} bytes "
                 f"({seq_count} sequences of {self.dtype.name}); truncated, or a .bin from another run?"
             )
-        # np.memmap refuses empty files; an empty dataset is legal (e.g. a job whose input was all bad).
-        self._tokens = (
-            np.memmap(data, dtype=self.dtype, mode="r") if bin_size else np.empty(0, dtype=self.dtype)
-        )
+        self._bin_tokens = bin_size // self.dtype.itemsize
+        self._bin = (_MMapBinReader if self.mmap else _FileBinReader)(data, self.dtype, self._bin_tokens)
 
     # Data-loader workers receive the dataset by pickle: send the path, not the mapped pages.
     def __getstate__(self) -> dict:
-        return {"path_prefix": self.path_prefix, "_validate": False}
+        return {"path_prefix": self.path_prefix, "mmap": self.mmap, "_validate": False}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"mmap": True, **state})
         self._open()
 
     def __len__(self) -> int:
@@ -184,19 +224,20 @@ class IndexedDataset:
     def token_id_range(self, chunk: int = 1 << 24) -> tuple[int, int]:
         """(smallest, largest) token id in the .bin, read in chunks (bounded memory); (0, -1) when empty."""
         low, high = 0, -1
-        for start in range(0, len(self._tokens), chunk):
-            block = self._tokens[start:start + chunk]
+        for start in range(0, self._bin_tokens, chunk):
+            block = self._bin.read(start, min(chunk, self._bin_tokens - start))
             low, high = (int(block.min()), int(block.max())) if high < 0 else (
                 min(low, int(block.min())), max(high, int(block.max())))
         return low, high
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens ``offset : offset + length`` of sequence ``idx`` (a view into the mapped file)."""
+        """Tokens ``offset : offset + length`` of sequence ``idx`` (a view into the mapped file, or a copy read
+        from it without the map)."""
         seq_len = int(self.sequence_lengths[idx])
         if length is None:
             length = seq_len - offset
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._tokens[start : start + length]
+        return self._bin.read(start, length)
 
 
 class IndexedDatasetWriter:

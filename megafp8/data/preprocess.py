@@ -502,9 +502,11 @@ def format_summary(summary: PreprocessSummary, key: str) -> str:
     )
 
 
-def tokenizer_from_args(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None) -> Tokenizer:
+def tokenizer_from_args(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None,
+                        vocab_file: str | None = None, merge_file: str | None = None) -> Tokenizer:
     """build_tokenizer with its ValueError turned into the tool's error type."""
     try:
-        return build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+        return build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, vocab_file=vocab_file,
+                               merge_file=merge_file)
     except ValueError as exc:
         raise PreprocessError(str(exc)) from None

@@ -7,6 +7,7 @@ resumed from a checkpoint's consumed-samples count sees the same samples as one 
 """
 from __future__ import annotations
 
+import signal
 from typing import Iterator
 
 import torch
@@ -72,7 +73,10 @@ def build_pretraining_data_loader(
     num_workers: int = 0,
     drop_last: bool = True,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader of ``{"tokens": LongTensor[micro_batch_size, seq_length + 1]}`` resuming at ``consumed_samples``."""
+    """A DataLoader of ``{"tokens": LongTensor[micro_batch_size, seq_length + 1]}`` resuming at ``consumed_samples``.
+
+    ``num_workers`` > 0 reads in that many worker processes; batches still come in sampler order, so they are
+    the same for every ``num_workers``."""
     sampler = PretrainingSampler(
         len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, drop_last
     )
@@ -82,4 +86,14 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
+        worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
     )
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    # A scheduler's SIGTERM (or a terminal's SIGINT) reaches the whole process group, workers included. The
+    # training process then finishes its step and saves, reading batches meanwhile; a worker that died of the
+    # signal would fail that read ("DataLoader worker exited unexpectedly"). Workers end when the loader is
+    # closed, or on their own once the training process is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

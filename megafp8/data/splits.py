@@ -12,7 +12,9 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` (or ``"98/2/0"``) → three weights summing to 1; missing trailing parts are 0."""
-    text = split.replace("/", ",")
+    # Quotes around the value are what Megatron-LM's Llama script passes (`"--split '99,1,0'"` in a bash array,
+    # expanded unquoted); Megatron reads only the numbers, so they are dropped here too.
+    text = split.strip().strip("'\"").replace("/", ",")
     try:
         weights = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:

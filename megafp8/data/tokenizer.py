@@ -1,4 +1,4 @@
-"""Tokenizers behind one small interface (Megatron names): SentencePiece, HuggingFace by local path, Null.
+"""Tokenizers behind one small interface (Megatron names): SentencePiece, HuggingFace by local path, GPT-2 BPE, Null.
 
 Every tokenizer exposes ``vocab_size``, ``eod`` (the id appended after each document), ``bos`` and ``pad``,
 plus ``tokenize``/``tokenize_batch``/``tokenize_arrays``/``detokenize``. None adds special tokens on its own:
@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "NullTokenizer")
 
 
 class Tokenizer(ABC):
@@ -174,6 +175,53 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._fast.decode(ids) if self._fast is not None else self._auto.decode(ids)
 
 
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2's byte-level BPE from a ``vocab.json`` and a ``merges.txt`` (Megatron's ``--tokenizer-type
+    GPT2BPETokenizer --vocab-file --merge-file``); ``eod`` is ``<|endoftext|>``, as in Megatron.
+
+    Built on ``tokenizers`` exactly as transformers' ``GPT2TokenizerFast(vocab_file, merges_file)`` is (same ids):
+    a BPE model with no subword prefix or suffix, byte-level pre-tokenization without a prefix space, and
+    ``<|endoftext|>`` a special token, so the literal text ``<|endoftext|>`` in a document becomes the one id.
+    The vocabulary size is the vocab file's entry count (Megatron's ``len(encoder)``).
+    """
+
+    EOD = "<|endoftext|>"
+    native_batch_threads = True  # encode_batch runs on the tokenizers library's own thread pool, GIL released
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        super().__init__(vocab_file, merge_file)
+        from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, pre_tokenizers
+        from tokenizers.models import BPE
+
+        _require_file(vocab_file, "--vocab-file")
+        _require_file(merge_file, "--merge-file")
+        try:
+            vocab, merges = BPE.read_file(vocab_file, merge_file)
+        except Exception as exc:  # the Rust error type is not importable; re-raise naming both files
+            raise ValueError(f"--vocab-file {vocab_file} --merge-file {merge_file}: not a GPT-2 vocab.json and "
+                             f"merges.txt ({exc})") from None
+        if self.EOD not in vocab:  # Megatron reads encoder["<|endoftext|>"] and would stop with a KeyError
+            raise ValueError(f"--vocab-file {vocab_file}: has no {self.EOD} entry, GPT-2's end-of-document token")
+        self._fast = FastTokenizer(BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
+                                       end_of_word_suffix="", fuse_unk=False))
+        self._fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._fast.decoder = decoders.ByteLevel()
+        self._fast.add_special_tokens([AddedToken(self.EOD, special=True)])
+        self.vocab_size = len(vocab)
+        self.eod = vocab[self.EOD]
+        self.bos = None
+        self.pad = self.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._fast.decode(list(map(int, ids)), skip_special_tokens=False)
+
+
 class NullTokenizer(Tokenizer):
     """Megatron's NullTokenizer for synthetic data: text is space-separated ids; ``eod`` = ``vocab_size``.
 
@@ -207,9 +255,11 @@ class NullTokenizer(Tokenizer):
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None, num_threads: int = 1
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None, num_threads: int = 1,
+    vocab_file: str | None = None, merge_file: str | None = None,
 ) -> Tokenizer:
-    """Build a tokenizer from the Megatron-style flags ``--tokenizer-type/--tokenizer-model/--vocab-size``."""
+    """Build a tokenizer from the Megatron-style flags ``--tokenizer-type/--tokenizer-model/--vocab-size`` (and
+    ``--vocab-file/--merge-file`` for GPT2BPETokenizer)."""
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         if not tokenizer_model:
             raise ValueError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
@@ -219,6 +269,10 @@ def build_tokenizer(
             raise ValueError("--tokenizer-model (a tokenizer.json or a local model directory) is required "
                              "for --tokenizer-type HuggingFaceTokenizer")
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}")

@@ -18,11 +18,12 @@ from megafp8.model.config import ACTIVATIONS, rope_scaling_flag
 from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
+from megafp8.training import megatron_flags
 from megafp8.training.profiling import profile_errors
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 CP_COMM_TYPES = ("p2p", "all_gather")
-TOKENIZERS = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZERS = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
 class ArgumentError(ValueError):
@@ -47,13 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2,
-                   help="transformer layers (Llama-style: RMSNorm, RoPE attention with GQA, SwiGLU MLP)")
+                   help="transformer layers (the Llama block: RMSNorm, RoPE attention with GQA, SwiGLU MLP; say so with "
+                        "the flags below, as Megatron-LM's Llama scripts do)")
     g.add_argument("--hidden-size", type=int, default=64, help="model width h")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="MLP inner width f (default: 8/3 h rounded up to a multiple of 64)")
-    g.add_argument("--num-attention-heads", type=int, default=4, help="query heads; head dim = h / heads")
+                   help="MLP inner width f (default: Megatron-LM's SwiGLU rule, 8/3 h rounded down to a multiple of 64)")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="query heads; head dim = h / heads unless --kv-channels")
     g.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads (GQA); default one per head (MHA)")
+                   help="key/value heads, with --group-query-attention (Megatron-LM ignores it without)")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="RoPE table length (default --seq-length)")
@@ -78,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "same values at every layout, drawn per (seed, parameter name)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer (default: tied to the embedding)")
-    g.add_argument("--activation", choices=ACTIVATIONS, default="swiglu",
-                   help="swiglu, or smooth_swiglu (per-channel power-of-two scaling before FC2's FP8 cast, "
-                        "docs/fp8.md)")
+    g.add_argument("--activation", choices=ACTIVATIONS, default=None,
+                   help="swiglu (what --swiglu builds), or smooth_swiglu (per-channel power-of-two scaling before "
+                        "FC2's FP8 cast, docs/fp8.md)")
+    megatron_flags.add_model_flags(g)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -139,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "TransformerEngine)")
     g.add_argument("--fp8-recipe", choices=SCALINGS, default="delayed",
                    help="how each FP8 tensor is scaled (docs/training.md 'The recipes', docs/fp8.md)")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1024,
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
                    help="delayed scaling: amaxes remembered per tensor (the scale comes from their max)")
-    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="max",
+    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="most_recent",
                    help="delayed scaling: max of the history or the most_recent amax")
     g.add_argument("--fp8-margin", type=int, default=0, help="scales are divided by 2^margin (headroom against growth)")
     g.add_argument("--fp8-power-of-2-scale", action="store_true",
@@ -173,10 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="given alone: check this machine's FP8 kernels (quantize + GEMM per scale mode) against "
                         "fp64, print OK or FAIL per mode and exit (status 1 on a FAIL); no training")
 
+    megatron_flags.add_precision_flags(g)
+
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="the floor the decay ends at")
-    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="cosine",
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear",
                    help="cosine, linear, constant, inverse-square-root, WSD (warmup-stable-decay: hold --lr, then "
                         "anneal over the last --lr-wsd-decay-iters)")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up length in iterations (with --train-iters)")
@@ -190,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential", help="WSD anneal shape")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's first-moment decay")
-    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW's second-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's second-moment decay")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="clip the global gradient norm (over all ranks) to this; 0 disables")
@@ -200,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp8"), default="fp32",
                    help="Adam moments in fp32, bf16 or fp8 (E4M3 codes with per-128-group scales; distributed "
                         "optimizer)")
+
+    megatron_flags.add_schedule_flags(g)
 
     g = p.add_argument_group("training and data")
     g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward/backward on one rank")
@@ -231,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="stop (and save) once the run has lasted this long; all ranks agree on the iteration")
 
+    megatron_flags.add_training_flags(g)
+    megatron_flags.add_data_flags(g)
+
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None,
                    help="directory to save to: iter_NNNNNNN/ and latest_checkpointed_iteration.txt "
@@ -250,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="math-changing flags (e.g. lr clip-grad) that may differ from the checkpoint's on --load "
                         "(the run then continues with the new values)")
 
+    megatron_flags.add_checkpoint_flags(g)
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1,
                    help="print the console line (and write a metrics record) every this many iterations")
@@ -264,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-step-start", type=int, default=10, help="iterations done before the trace starts")
     g.add_argument("--profile-step-end", type=int, default=12, help="iterations done when the trace stops")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK", help="global ranks to profile")
+    megatron_flags.add_logging_flags(g)
+
+    megatron_flags.add_implementation_flags(p.add_argument_group("Megatron-LM implementation choices (accepted)"))
     return p
 
 
@@ -300,12 +315,9 @@ def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
         args.sequence_parallel = False
         warnings.append("--sequence-parallel turned off: it needs --tensor-model-parallel-size > 1 "
                         "(Megatron-LM does the same)")
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 64 * -(-(8 * args.hidden_size // 3) // 64)
+    megatron_flags.fill_megatron_defaults(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.num_query_groups is None:
-        args.num_query_groups = args.num_attention_heads
     # CP ranks read the same samples: data parallelism is what TP x CP x PP leaves of the world.
     model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                       * max(args.context_parallel_size, 1))
@@ -422,10 +434,10 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     errors += _rope_scaling_errors(args)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.tokenizer_type != "NullTokenizer" and args.data_path and args.tokenizer_model is None:
+    if args.tokenizer_type not in ("NullTokenizer", "GPT2BPETokenizer") and args.data_path and args.tokenizer_model is None:
         errors.append(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-    if args.data_path is None:
-        errors.append("--data-path is required (a preprocessed prefix; see docs/data.md)")
+    if args.data_path is None and not args.mock_data:
+        errors.append("--data-path is required (a preprocessed prefix; see docs/data.md), or --mock-data")
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
         if getattr(args, flag) and args.load is None:
             errors.append(f"--{flag.replace('_', '-')} needs --load")
@@ -445,6 +457,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     schedule_flags = ("--lr", "--min-lr", "--train-", "--global-batch-size", "--micro-batch-size", "--lr-")
     if not any(flag in e for e in errors for flag in schedule_flags):  # else its message would blame another flag
         errors += _schedule_errors(args)
+    errors += megatron_flags.megatron_flag_errors(args)
     errors += optional_package_errors(args)
     errors += profile_errors(args, world_size)
     return errors
@@ -471,7 +484,8 @@ def _schedule_errors(args: argparse.Namespace) -> list[str]:
 
 
 # Packages a flag needs that `pip install megafp8` does not bring: {flag dest: (flag, import name, pip name)}.
-OPTIONAL_PACKAGES = {"tensorboard_dir": ("--tensorboard-dir", "tensorboard", "tensorboard")}
+OPTIONAL_PACKAGES = {"tensorboard_dir": ("--tensorboard-dir", "tensorboard", "tensorboard"),
+                     "wandb_project": ("--wandb-project", "wandb", "wandb")}
 
 
 def optional_package_errors(args: argparse.Namespace) -> list[str]:

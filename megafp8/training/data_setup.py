@@ -1,4 +1,5 @@
-"""From flags to this rank's data: the tokenizer's vocabulary, the train/valid datasets and resumable iterators."""
+"""From flags to this rank's data: the tokenizer, the train/valid datasets (--data-path or --mock-data) and
+resumable batch iterators, read in the training process or by --num-workers data-loader processes."""
 from __future__ import annotations
 
 import argparse
@@ -11,14 +12,32 @@ import torch
 from megafp8.data.builder import build_train_valid_test_datasets, parse_data_path, samples_available
 from megafp8.data.gpt_dataset import samples_in
 from megafp8.data.indexed_dataset import IndexedDataset
+from megafp8.data.mock_dataset import build_mock_datasets
 from megafp8.data.sampler import build_pretraining_data_loader
 from megafp8.data.splits import parse_split, split_ranges
-from megafp8.data.tokenizer import build_tokenizer
+from megafp8.data.tokenizer import Tokenizer, build_tokenizer
 from megafp8.parallel.parallel_state import ParallelState
 
 
+def _flag(args: argparse.Namespace, dest: str, default):
+    # Megatron-LM's data flags (megafp8.training.megatron_flags); a Namespace built without them (tests, older
+    # callers) means Megatron's defaults.
+    return getattr(args, dest, default)
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer:
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                           vocab_file=_flag(args, "vocab_file", None), merge_file=_flag(args, "merge_file", None))
+
+
 def tokenizer_vocab_size(args: argparse.Namespace) -> int:
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
+    return tokenizer_from_args(args).vocab_size
+
+
+def data_cache_dir(args: argparse.Namespace) -> str | None:
+    """--data-cache-path: where every index cache goes (sample indices, blends, token-id ranges); None: beside
+    each dataset (megafp8.data.builder.default_cache_dir), or nowhere for --mock-data, as in Megatron."""
+    return _flag(args, "data_cache_path", None)
 
 
 def num_validation_samples(args: argparse.Namespace) -> int:
@@ -96,9 +115,19 @@ def _too_few_samples(args: argparse.Namespace, available: int) -> str:
 
 
 def build_datasets(args: argparse.Namespace):
+    """(train, valid) of --data-path, or of Megatron's synthetic documents with --mock-data (split a third each
+    whatever --split says, as Megatron's builder does in mock mode)."""
+    valid_samples = num_validation_samples(args) if args.eval_iters > 0 else 0
+    if _flag(args, "mock_data", False):
+        tokenizer = tokenizer_from_args(args)
+        train, valid, _ = build_mock_datasets(tokenizer.vocab_size, tokenizer.eod, args.seq_length, args.seed,
+                                              train_samples=args.train_samples, valid_samples=valid_samples,
+                                              test_samples=0, cache_dir=data_cache_dir(args))
+        return train, valid
     train, valid, _ = build_train_valid_test_datasets(
         args.data_path, args.split, args.seq_length, args.seed, train_samples=args.train_samples,
-        valid_samples=num_validation_samples(args) if args.eval_iters > 0 else 0, test_samples=0)
+        valid_samples=valid_samples, test_samples=0, cache_dir=data_cache_dir(args),
+        mmap_bin_files=_flag(args, "mmap_bin_files", True))
     if train is None:
         raise ValueError(f"--split {args.split} leaves no training documents in --data-path {' '.join(args.data_path)}")
     if len(train) < args.train_samples:  # megafp8.pretrain refuses this before training; a backstop for other callers
@@ -113,7 +142,10 @@ def batches(dataset, consumed_samples: int, args: argparse.Namespace, parallel_s
 
     ``cycle``: start over when the dataset ends (validation re-reads its split, as Megatron's cyclic loader);
     ``consumed_samples`` then counts every sample read since the start (``consumed_valid_samples``, which
-    may exceed the dataset), and the iterator stands where an uninterrupted one would after reading them."""
+    may exceed the dataset), and the iterator stands where an uninterrupted one would after reading them.
+
+    With --num-workers N > 0 the samples are read by N data-loader processes (pinned on CUDA), in the same
+    order: the batches are the same as N = 0's. ``close_batches`` stops them."""
     dp = _DataRank(parallel_state.data_parallel_rank, parallel_state.dp_size)
     if cycle:
         step = args.micro_batch_size * dp.size
@@ -123,7 +155,15 @@ def batches(dataset, consumed_samples: int, args: argparse.Namespace, parallel_s
                              f"on each data-parallel rank (--micro-batch-size {args.micro_batch_size} x {dp.size}); "
                              "give it more documents (--split) or set --eval-iters 0")
         consumed_samples %= per_pass
-    return _batches(dataset, consumed_samples, args.micro_batch_size, dp, cycle)
+    return _batches(dataset, consumed_samples, args.micro_batch_size, dp, cycle, _flag(args, "num_workers", 0))
+
+
+def close_batches(*sources: Iterator[torch.Tensor] | None) -> None:
+    """End ``batches`` iterators now: their data-loader worker processes exit here, not at interpreter teardown
+    (which a torchrun rank skips: megafp8.pretrain leaves with os._exit)."""
+    for source in sources:
+        if source is not None:
+            source.close()
 
 
 class _DataRank(NamedTuple):
@@ -132,10 +172,12 @@ class _DataRank(NamedTuple):
     size: int
 
 
-def _batches(dataset, consumed_samples: int, micro_batch_size: int, dp, cycle: bool) -> Iterator[torch.Tensor]:
+def _batches(dataset, consumed_samples: int, micro_batch_size: int, dp, cycle: bool,
+             num_workers: int) -> Iterator[torch.Tensor]:
     while True:
         loader = build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
-                                               data_parallel_rank=dp.rank, data_parallel_size=dp.size)
+                                               data_parallel_rank=dp.rank, data_parallel_size=dp.size,
+                                               num_workers=num_workers)
         for batch in loader:
             yield batch["tokens"]
         if not cycle:

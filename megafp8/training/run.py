@@ -18,6 +18,7 @@ from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline import build_pipeline
 from megafp8.training.checkpointing import Checkpointer
+from megafp8.training.data_setup import close_batches
 from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 
 
@@ -83,7 +84,8 @@ def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, tota
                         if args.fp8_saturation_guard else ", saturation guard off"))
     outputs = [f"{name} {path}" for name, path in (
         ("checkpoints", args.save), ("metrics", args.log_dir and f"{args.log_dir}/metrics.jsonl"),
-        ("tensorboard", args.tensorboard_dir)) if path]
+        ("tensorboard", args.tensorboard_dir),
+        ("wandb project", getattr(args, "wandb_project", None))) if path]
     train_iters = -(-args.train_samples // args.global_batch_size)
     return [
         f"megafp8: layout {layout}",
@@ -94,6 +96,15 @@ def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, tota
         f"megafp8: precision {precision}",
         f"megafp8: outputs {', '.join(outputs) if outputs else 'none (no --save, --log-dir or --tensorboard-dir)'}",
     ]
+
+
+def wandb_settings(args: argparse.Namespace) -> dict:
+    """TrainingLog.start_wandb's arguments from Megatron's flags. The run directory is --wandb-save-dir, else
+    <--save>/wandb (Megatron's default), else wandb's own (./wandb); the run's config is every flag. The rank that
+    writes TensorBoard (the last pipeline stage's first) writes it: the loss is there."""
+    save_dir = getattr(args, "wandb_save_dir", None) or (os.path.join(args.save, "wandb") if args.save else None)
+    return {"project": args.wandb_project, "name": getattr(args, "wandb_exp_name", None), "save_dir": save_dir,
+            "config": dict(vars(args))}
 
 
 def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig) -> int:
@@ -124,7 +135,12 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
         progress = TrainProgress(**saved) if saved else None
     trainer = Trainer(args, parallel_state, pipeline, ddp, optimizer, guard, progress,
                       checkpointer if args.save else None)
-    progress = trainer.train()
+    if trainer.is_logging_rank and getattr(args, "wandb_project", None):
+        trainer.log.start_wandb(**wandb_settings(args))
+    try:
+        progress = trainer.train()
+    finally:  # --num-workers' processes end with the run, also when it fails
+        close_batches(trainer.train_batches, trainer.valid_batches)
     if trainer.is_logging_rank:
         print(f"megafp8: trained {progress.iteration} iterations ({progress.consumed_samples} samples, "
               f"{progress.skipped_iterations} skipped)", flush=True)

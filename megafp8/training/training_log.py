@@ -1,4 +1,5 @@
-"""What a training run reports: the Megatron-shaped console line, `metrics.jsonl` and TensorBoard scalars.
+"""What a training run reports: the Megatron-shaped console line, `metrics.jsonl`, and the same scalars to
+TensorBoard and to Weights & Biases (`--wandb-project`).
 
 Only the caller decides what to log (rank 0 usually); this module formats and writes. The keys of a
 metrics.jsonl record are a public contract (DESIGN.md): `iteration`, `lm_loss`, `grad_norm`, `lr`,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -96,7 +98,7 @@ def _finite_or_none(value):
 
 
 class TrainingLog:
-    """Writes records to `log_dir/metrics.jsonl` and TensorBoard; either may be None (not written)."""
+    """Writes records to `log_dir/metrics.jsonl`, TensorBoard and W&B; each may be absent (not written)."""
 
     def __init__(self, log_dir: str | None = None, tensorboard_dir: str | None = None):
         self.metrics_path = None
@@ -110,29 +112,46 @@ class TrainingLog:
             except ImportError as e:  # the package is an extra: say which
                 raise RuntimeError("--tensorboard-dir needs the `tensorboard` package: pip install tensorboard") from e
             self.tensorboard = SummaryWriter(tensorboard_dir)
+        self.wandb = None
+
+    def start_wandb(self, project: str, name: str | None = None, save_dir: str | None = None,
+                    config: dict | None = None) -> None:
+        """Log the TensorBoard scalars to a W&B run of `project` too (Megatron's `--wandb-project`,
+        `--wandb-exp-name`, `--wandb-save-dir`). WANDB_MODE=offline writes the run under `save_dir` only (no
+        network; `wandb sync` uploads it later)."""
+        try:
+            import wandb
+        except ImportError as e:  # the parser checks this first; a backstop for other callers
+            raise RuntimeError("--wandb-project needs the `wandb` package: pip install wandb") from e
+        if save_dir is not None:
+            os.makedirs(save_dir, exist_ok=True)  # wandb.init falls back to a temporary directory otherwise
+        self.wandb = wandb.init(project=project, name=name, dir=save_dir, config=config)
 
     def _append(self, record: dict) -> None:
         if self.metrics_path is not None:
             with self.metrics_path.open("a") as f:  # one line per record: a crash loses at most the last one
                 f.write(json.dumps(record) + "\n")
 
+    def _scalars(self, scalars: dict[str, float], step: int) -> None:
+        """The same tags and values to TensorBoard and W&B."""
+        if self.tensorboard is not None:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, step)
+        if self.wandb is not None and scalars:
+            self.wandb.log(scalars, step=step)
+
     def log_iteration(self, record: IterationRecord, fp8_telemetry: dict[str, float] | None = None) -> None:
         """``fp8_telemetry``: megafp8.fp8.collect_fp8_telemetry's ``{"fp8/<layer>/<role>/<stat>": value}``."""
         self._append(record.json_record())
-        if self.tensorboard is not None:
-            step = record.iteration
-            for name in ("lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device",
-                         "model_state_bytes_per_param"):
-                value = getattr(record, name)
-                if math.isfinite(value):
-                    self.tensorboard.add_scalar(f"train/{name}", value, step)
-            for tag, value in (fp8_telemetry or {}).items():
-                self.tensorboard.add_scalar(tag, value, step)
+        scalars = {f"train/{name}": getattr(record, name) for name in (
+            "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "model_state_bytes_per_param")}
+        # A skipped step's NaN loss or grad norm would break the curves' scale: those points are left out.
+        scalars = {tag: value for tag, value in scalars.items() if math.isfinite(value)}
+        self._scalars({**scalars, **(fp8_telemetry or {})}, record.iteration)
 
     def log_validation(self, iteration: int, val_lm_loss: float) -> None:
         self._append({"iteration": iteration, "val_lm_loss": _finite_or_none(val_lm_loss)})
-        if self.tensorboard is not None:
-            self.tensorboard.add_scalar("validation/lm_loss", val_lm_loss, iteration)
+        self._scalars({"validation/lm_loss": val_lm_loss}, iteration)
 
     def log_guard_switch(self, iteration: int, layer: str, saturated: float) -> None:
         """The saturation guard moved `layer` to high precision after `iteration` (it saturated `saturated`)."""
@@ -144,3 +163,6 @@ class TrainingLog:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
