@@ -30,9 +30,11 @@ from megafp8.checkpoint.safe_dcp import read_metadata
 from megafp8.checkpoint.save_load import read_entries, save_checkpoint
 from megafp8.checkpoint.sharded_tensor import ShardedChunks
 from megafp8.model.config import ModelConfig
-from megafp8.model.hf_mapping import _LAYER_RENAMES, fuse_qkv, hf_llama_config_kwargs, split_qkv
+from megafp8.model.hf_mapping import (_LAYER_RENAMES, NORM_WEIGHTS, fuse_qkv, hf_llama_config_kwargs, hf_norm_gain,
+                                      split_qkv)
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer old transformers versions saved
@@ -93,6 +95,9 @@ def training_args(config: ModelConfig) -> dict[str, Any]:
             "num_query_groups": config.num_query_groups, "max_position_embeddings": config.max_position_embeddings,
             "norm_epsilon": config.norm_eps, "rotary_base": config.rope_theta, "activation": "swiglu",
             "untie_embeddings_and_output_weights": not config.tie_embeddings, "init_method_std": config.init_method_std,
+            # always saved: a run resumed with --apply-layernorm-1p from plain gains would scale by 1 + g
+            "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
+            **({"kv_channels": config.kv_channels} if config.kv_channels is not None else {}),
             **rope_scaling_args(config)}
 
 
@@ -105,14 +110,19 @@ def rope_scaling_args(config: ModelConfig) -> dict[str, Any]:
                                          for field in Llama3RopeScaling.FIELDS}}
 
 
+_FLAG_NAMES = {"layernorm_zero_centered_gamma": "--apply-layernorm-1p"}  # dests named otherwise on the CLI
+
+
 def training_flags(config: ModelConfig) -> str:
-    """The same as command-line flags for ``megafp8.pretrain`` (vocab: from the tokenizer)."""
-    flags = []
+    """The same as command-line flags for ``megafp8.pretrain`` (vocab: from the tokenizer): the Llama block,
+    then the sizes (--group-query-attention makes Megatron's parser read --num-query-groups)."""
+    flags = [" ".join(LLAMA_FLAGS), "--group-query-attention"]
     for key, value in training_args(config).items():
+        flag = _FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
         if isinstance(value, bool):
-            flags += [f"--{key.replace('_', '-')}"] if value else []
+            flags += [flag] if value else []
         else:
-            flags.append(f"--{key.replace('_', '-')} {value}")
+            flags.append(f"{flag} {value}")
     return " ".join(flags)
 
 
@@ -236,7 +246,9 @@ def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> 
                        seq_length=min(args.get("seq_length") or 1, args["max_position_embeddings"]),
                        max_position_embeddings=args["max_position_embeddings"], norm_eps=args["norm_epsilon"],
                        rope_theta=args["rotary_base"], tie_embeddings=not args["untie_embeddings_and_output_weights"],
-                       init_method_std=args.get("init_method_std", 0.02), **_rope_scaling_from_manifest(args, path))
+                       init_method_std=args.get("init_method_std", 0.02), kv_channels=args.get("kv_channels"),
+                       layernorm_zero_centered_gamma=bool(args.get("layernorm_zero_centered_gamma", False)),
+                       **_rope_scaling_from_manifest(args, path))
 
 
 def _rope_scaling_from_manifest(args: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -298,12 +310,12 @@ def _hf_tensors(reader: _CheckpointReader, config: ModelConfig) -> Iterator[tupl
         yield from ((theirs + f"self_attn.{x}_proj.weight", t) for x, t in zip("qkv", (q, k, v)))
         del q, k, v
         for src, dst in _LAYER_RENAMES.items():
-            yield theirs + dst, one(ours + src)
+            yield theirs + dst, hf_norm_gain(one(ours + src), config) if src in NORM_WEIGHTS else one(ours + src)
         gate, up = one(ours + "mlp.linear_fc1.weight").chunk(2)
         yield theirs + "mlp.gate_proj.weight", gate
         yield theirs + "mlp.up_proj.weight", up
         del gate, up
-    yield "model.norm.weight", one("final_layernorm.weight")
+    yield "model.norm.weight", hf_norm_gain(one("final_layernorm.weight"), config)
     if not config.tie_embeddings:
         yield "lm_head.weight", one("output_layer.weight")
 

@@ -119,7 +119,16 @@ def _config(flags: dict[str, Any], source: str, *, global_keys: bool = False) ->
                        max_position_embeddings=get("max_position_embeddings") or get("seq_length"),
                        norm_eps=get("norm_epsilon", 1e-5), rope_theta=get("rotary_base", 10000),
                        tie_embeddings=not get("untie_embeddings_and_output_weights", False),
-                       init_method_std=get("init_method_std", 0.02), **_rope_scaling(flags))
+                       init_method_std=get("init_method_std", 0.02), kv_channels=_kv_channels(flags),
+                       layernorm_zero_centered_gamma=bool(get("apply_layernorm_1p", False)), **_rope_scaling(flags))
+
+
+def _kv_channels(flags: dict[str, Any]) -> int | None:
+    """Megatron-LM saves kv_channels = hidden / heads when none was given; only another head dim is kept."""
+    kv, hidden, heads = flags.get("kv_channels"), flags.get("hidden_size"), flags.get("num_attention_heads")
+    if not isinstance(kv, int) or isinstance(kv, bool) or (isinstance(heads, int) and kv * heads == hidden):
+        return None
+    return kv
 
 
 def _rope_scaling(flags: dict[str, Any]) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def megatron_args(config: ModelConfig, saved: dict[str, Any], *, tp: int, pp: in
         add_position_embedding=False, use_rotary_position_embeddings=True, rotary_base=_int_if_whole(config.rope_theta),
         rotary_percent=1.0, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
         use_rope_scaling=config.use_rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
-        normalization="RMSNorm", norm_epsilon=config.norm_eps, apply_layernorm_1p=False, swiglu=True,
+        normalization="RMSNorm", norm_epsilon=config.norm_eps, apply_layernorm_1p=config.layernorm_zero_centered_gamma, swiglu=True,
         squared_relu=False, untie_embeddings_and_output_weights=not config.tie_embeddings, add_bias_linear=False,
         add_qkv_bias=False, apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
         init_method_std=config.init_method_std, num_experts=None, spec=None, transformer_impl="local",

@@ -79,8 +79,6 @@ def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelCo
     problems = [f"{key}={config[key]!r}" for key, allowed in _UNSUPPORTED.items()
                 if key in config and config[key] not in allowed]
     heads = config.get("num_attention_heads")
-    if config.get("head_dim") not in (None, config["hidden_size"] // heads):
-        problems.append(f"head_dim={config['head_dim']} (megafp8 uses hidden_size / num_attention_heads)")
     fields = SimpleNamespace(**{**_LLAMA_DEFAULTS, "num_key_value_heads": heads, **config})
     try:
         problems += hf_rope_problems(fields)

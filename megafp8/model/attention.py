@@ -5,9 +5,12 @@ query heads, G query groups = KV heads, r = H / G and head dim d): one block per
 group order, each block ``[q heads g*r .. g*r + r - 1 (r*d rows), k head g (d rows), v head g (d rows)]``.
 This is Megatron-Core's layout; because a group's block is contiguous, a plain dim-0 split over TP
 gives each rank whole groups (G/TP of them) with their query heads, no reshuffling needed.
-``hf_mapping`` converts it to and from HF's separate q_proj / k_proj / v_proj.
+``hf_mapping`` converts it to and from HF's separate q_proj / k_proj / v_proj. The head dim d is
+``config.head_dim`` (--kv-channels), so ``linear_proj`` maps ``H * d`` back to ``hidden``, whatever hidden / H is.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +18,12 @@ from torch import nn
 
 from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
+from megafp8.model.dropout import mask_generator
 from megafp8.model.recompute import recompute
 from megafp8.model.rotary import apply_rotary
 from megafp8.parallel.context_parallel import context_parallel_attention
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.random import ModelParallelRNG
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
 
 
@@ -33,6 +38,7 @@ class SelfAttention(nn.Module):
         self.local_heads = config.num_attention_heads // tp_size
         self.local_groups = config.num_query_groups // tp_size
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.attention_dropout = config.attention_dropout  # on the probabilities, in training mode only
         # Context parallelism: this rank holds 2 of each sequence's 2 x CP chunks; K/V travel over the CP group.
         self.parallel_state = parallel_state
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
@@ -44,9 +50,10 @@ class SelfAttention(nn.Module):
                                              params_dtype=config.params_dtype, perform_initialization=False)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                input_norm: RMSNormPrologue | None = None) -> torch.Tensor:
+                input_norm: RMSNormPrologue | None = None, rng: ModelParallelRNG | None = None) -> torch.Tensor:
         """`input_norm`: x is the input of this norm (RMSNorm(x, as_prologue=True)), fused into QKV's FP8 input cast;
-        without it x is QKV's input."""
+        without it x is QKV's input. `rng`: the model-parallel RNG the attention-dropout masks come from (each TP
+        rank holds other heads) and that selective recomputation replays."""
         qkv = self.linear_qkv(x, prologue=input_norm)
         # qkv: [s, b, G/TP * (r + 2) * d]
         s, b, _ = qkv.shape
@@ -55,24 +62,33 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.local_heads, self.head_dim)  # heads of a group stay adjacent
         k = k.reshape(s, b, self.local_groups, self.head_dim)
         v = v.reshape(s, b, self.local_groups, self.head_dim)
+        core = functools.partial(self._core_attention, rng=rng)
         if self.recompute_core_attention and torch.is_grad_enabled():  # --recompute-granularity selective
-            out = recompute(self._core_attention, q, k, v, *rotary)
+            out = recompute(core, q, k, v, *rotary, rng=rng)
         else:
-            out = self._core_attention(q, k, v, *rotary)
+            out = core(q, k, v, *rotary)
         return self.linear_proj(out)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor) -> torch.Tensor:
-        """Rotary + causal attention: ``[s, b, heads, d]`` q/k/v to ``[s, b, H/TP * d]``."""
+                        sin: torch.Tensor, rng: ModelParallelRNG | None = None) -> torch.Tensor:
+        """Rotary + causal attention (+ dropout on its probabilities): ``[s, b, heads, d]`` q/k/v to
+        ``[s, b, H/TP * d]``."""
         s, b = q.shape[:2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         # enable_gqa maps query head i to KV head i // r, matching the group-major head order above.
         gqa = self.local_heads != self.local_groups
         ps = self.parallel_state
+        dropout = self.attention_dropout if self.training else 0.0
         if ps.cp_size > 1:  # ring (or all-gather) attention over the CP ranks, merged by log-sum-exp
+            if dropout:  # validate_model refuses the config; a hand-built layer would silently skip it
+                raise ValueError("--attention-dropout is not supported with --context-parallel-size > 1")
             out = context_parallel_attention(q, k, v, group=ps.cp_group.group, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
                                              comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa)
+        elif dropout:
+            # Each TP rank holds other heads: its masks come from its own stream (Megatron's tracker fork).
+            with mask_generator(rng, True, ps.tp_size):
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, H/TP * d]

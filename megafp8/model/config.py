@@ -54,6 +54,16 @@ class ModelConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # --kv-channels: the head dim d; None is hidden_size / num_attention_heads. QKV is [(H + 2G) d, hidden] and
+    # linear_proj [hidden, H d], so d may differ from hidden / H (Qwen3, Gemma) and hidden need not divide by H.
+    kv_channels: int | None = None
+    # --attention-dropout (on the attention probabilities) and --hidden-dropout (on linear_proj's and linear_fc2's
+    # outputs before each residual add), training mode only (megafp8.model.dropout). Megatron's defaults (0.1) are
+    # the CLI's; 0 here keeps a library user's model deterministic.
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    # --apply-layernorm-1p: every RMSNorm gain is stored zero-centred (initialised to 0) and applied as 1 + w.
+    layernorm_zero_centered_gamma: bool = False
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -69,12 +79,20 @@ class ModelConfig:
             errors = self.rope_scaling.errors(rope_scaling_flag)
             if errors:
                 raise ValueError("; ".join(errors))
+        if self.kv_channels is not None and (type(self.kv_channels) is not int or self.kv_channels < 1):
+            raise ValueError(f"--kv-channels must be a positive integer, got {self.kv_channels!r}")
+        for flag, p in (("--attention-dropout", self.attention_dropout), ("--hidden-dropout", self.hidden_dropout)):
+            if not 0.0 <= p < 1.0:  # also a NaN
+                raise ValueError(f"{flag} must be in [0, 1), got {p}")
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                              f"({self.max_position_embeddings})")
 
     @property
     def head_dim(self) -> int:
+        """d, the size of one attention head (--kv-channels, else hidden_size / num_attention_heads)."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
     @property

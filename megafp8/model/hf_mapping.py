@@ -59,18 +59,21 @@ _LAYER_RENAMES = {  # megafp8 suffix -> HF suffix, for the one-to-one tensors of
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+NORM_WEIGHTS = ("input_layernorm.weight", "pre_mlp_layernorm.weight")  # a layer's RMSNorm gains
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """A full (TP=1) megafp8 state dict as HF Llama tensors (vocab padding removed)."""
     hf = {"model.embed_tokens.weight": state_dict["embedding.weight"][: config.vocab_size].clone(),
-          "model.norm.weight": state_dict["final_layernorm.weight"]}
+          "model.norm.weight": hf_norm_gain(state_dict["final_layernorm.weight"], config)}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state_dict["output_layer.weight"][: config.vocab_size].clone()
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         for src, dst in _LAYER_RENAMES.items():
             hf[theirs + dst] = state_dict[ours + src]
+            if src in NORM_WEIGHTS:
+                hf[theirs + dst] = hf_norm_gain(hf[theirs + dst], config)
         q, k, v = split_qkv(state_dict[ours + "self_attention.linear_qkv.weight"], config)
         hf[theirs + "self_attn.q_proj.weight"], hf[theirs + "self_attn.k_proj.weight"] = q, k
         hf[theirs + "self_attn.v_proj.weight"] = v
@@ -84,13 +87,15 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], config: ModelC
     """HF Llama tensors as a full megafp8 state dict, vocab zero-padded for ``tp_size``."""
     padded = config.padded_vocab_size(tp_size)
     sd = {"embedding.weight": resize_vocab_dim(hf_state_dict["model.embed_tokens.weight"], padded),
-          "final_layernorm.weight": hf_state_dict["model.norm.weight"]}
+          "final_layernorm.weight": norm_weight_from_hf(hf_state_dict["model.norm.weight"], config)}
     if not config.tie_embeddings:
         sd["output_layer.weight"] = resize_vocab_dim(hf_state_dict["lm_head.weight"], padded)
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         for src, dst in _LAYER_RENAMES.items():
             sd[ours + src] = hf_state_dict[theirs + dst]
+            if src in NORM_WEIGHTS:
+                sd[ours + src] = norm_weight_from_hf(sd[ours + src], config)
         sd[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf_state_dict[theirs + "self_attn.q_proj.weight"], hf_state_dict[theirs + "self_attn.k_proj.weight"],
             hf_state_dict[theirs + "self_attn.v_proj.weight"], config)
@@ -187,6 +192,24 @@ def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overri
                   max_position_embeddings=hf_config.max_position_embeddings,
                   seq_length=seq_length or min(hf_config.max_position_embeddings, DEFAULT_HF_SEQ_LENGTH), norm_eps=hf_config.rms_norm_eps,
                   rope_theta=theta, tie_embeddings=hf_config.tie_word_embeddings,
-                  init_method_std=hf_config.initializer_range, **scaling)
+                  init_method_std=hf_config.initializer_range, kv_channels=_kv_channels(hf_config), **scaling)
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def _kv_channels(hf_config: Any) -> int | None:
+    """--kv-channels for a HF ``head_dim`` other than hidden / heads (None: the default head dim)."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is None or head_dim * hf_config.num_attention_heads == hf_config.hidden_size:
+        return None
+    return head_dim
+
+
+def hf_norm_gain(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The RMSNorm gain HF stores: ``1 + w`` for zero-centred weights (--apply-layernorm-1p), else w itself."""
+    return weight + 1 if config.layernorm_zero_centered_gamma else weight
+
+
+def norm_weight_from_hf(gain: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The inverse of ``hf_norm_gain``."""
+    return gain - 1 if config.layernorm_zero_centered_gamma else gain

@@ -5,14 +5,15 @@ contiguous dim-0 chunks; under SP, "s" between TP regions is ``s/TP``)::
 
     input_ids [b, s] -> transpose -> embedding (vocab-parallel)      [s, b, h]
       -> num_layers x TransformerLayer:
-           x = x + linear_proj(attention(linear_qkv(input_layernorm(x))))
-           x = x + linear_fc2(swiglu(linear_fc1(pre_mlp_layernorm(x))))
+           x = x + dropout(linear_proj(attention(linear_qkv(input_layernorm(x)))))
+           x = x + dropout(linear_fc2(swiglu(linear_fc1(pre_mlp_layernorm(x)))))
       -> final_layernorm -> output_layer (column-parallel)           [s, b, V/TP]
       -> labels given: vocab-parallel CE -> per-token loss          [b, s]
          else: logits transposed to                                 [b, s, V/TP]
 
 Parameter names (``layers.{i}.self_attention.linear_qkv.weight``, ...) follow Megatron-Core; their
-HF Llama counterparts and the fused layouts are in ``megafp8.model.hf_mapping``.
+HF Llama counterparts and the fused layouts are in ``megafp8.model.hf_mapping``. Dropout (--hidden-dropout above,
+--attention-dropout on the attention probabilities) runs in training mode only (megafp8.model.dropout).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch import nn
 from megafp8.fp8 import Fp8Recipe, apply_precision_map, layer_recipes
 from megafp8.model.attention import SelfAttention
 from megafp8.model.config import ModelConfig
+from megafp8.model.dropout import hidden_dropout_add
 from megafp8.model.mlp import MLP
 from megafp8.model.norm import RMSNorm
 from megafp8.model.recompute import recompute, recomputed_layer_groups
@@ -32,7 +34,7 @@ from megafp8.model.rotary import RotaryEmbedding
 from megafp8.parallel.context_parallel import local_positions
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megafp8.parallel.parallel_state import ParallelState
-from megafp8.parallel.random import ModelParallelRNG, initialize_parameters
+from megafp8.parallel.random import ModelParallelRNG, initialize_parameters, model_parallel_rng
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
 
 
@@ -42,21 +44,34 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
         super().__init__()
         sp = parallel_state.sequence_parallel
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype)
+        zero_centered = config.layernorm_zero_centered_gamma
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype,
+                                       zero_centered_gamma=zero_centered)
         self.self_attention = SelfAttention(config, parallel_state)
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype,
+                                         zero_centered_gamma=zero_centered)
         self.mlp = MLP(config, parallel_state)
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel, self.tp_size = sp, parallel_state.tp_size
         # RMSNorm -> QKV / FC1 and SwiGLU -> FC2 run as the linears' prologues (megafp8.fp8.prologue): in FP8 fused
         # into the input cast, bit-identical to the unfused modules; False runs the norms and SwiGLU on their own.
         self.fuse_fp8_prologues = True
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                rng: ModelParallelRNG | None = None) -> torch.Tensor:
+        """`rng`: the model-parallel RNG of the dropout masks that differ per TP rank (megafp8.model.dropout)."""
         if self.fuse_fp8_prologues:
             # The norms are still called (as_prologue): their forward hooks, e.g. the overlapped param gather, run.
-            x = x + self.self_attention(x, rotary, input_norm=self.input_layernorm(x, as_prologue=True))
-            return x + self.mlp(x, input_norm=self.pre_mlp_layernorm(x, as_prologue=True), fuse_activation=True)
-        x = x + self.self_attention(self.input_layernorm(x), rotary)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+            out = self.self_attention(x, rotary, input_norm=self.input_layernorm(x, as_prologue=True), rng=rng)
+            x = self._dropout_add(out, x, rng)
+            return self._dropout_add(self.mlp(x, input_norm=self.pre_mlp_layernorm(x, as_prologue=True),
+                                              fuse_activation=True), x, rng)
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, rng=rng), x, rng)
+        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x, rng)
+
+    def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor, rng: ModelParallelRNG | None) -> torch.Tensor:
+        return hidden_dropout_add(out, residual, self.hidden_dropout, self.training, rng, self.sequence_parallel,
+                                  self.tp_size)
 
 
 class GPTModel(nn.Module):
@@ -75,7 +90,8 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, pre_process: bool = True,
                  post_process: bool = True, layer_numbers: Sequence[int] | None = None,
-                 fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0) -> None:
+                 fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
+                 rng: ModelParallelRNG | None = None) -> None:
         super().__init__()
         parallel_state.validate_model(config)
         self.config = config
@@ -98,7 +114,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state) for i in layer_numbers})
         if post_process:
             self.final_layernorm = RMSNorm(config.hidden_size, config.norm_eps, parallel_state.sequence_parallel,
-                                           config.params_dtype)
+                                           config.params_dtype, zero_centered_gamma=config.layernorm_zero_centered_gamma)
             # With tied embeddings on one stage the head reuses embedding.weight (same [V/TP, h] shard);
             # across pipeline stages the last stage keeps its own copy, tagged for the embedding-group sync.
             self.output_layer = ColumnParallelLinear(
@@ -114,9 +130,12 @@ class GPTModel(nn.Module):
         # Layout-invariant init: each parameter from the generator of (seed, global name), full tensor then
         # this rank's shard. The last stage's copy of a tied embedding is drawn as embedding.weight, so
         # both stages start identical without communication.
-        # Randomness inside recomputed layers is replayed from this tracker's saved states (set it with
-        # megafp8.parallel.random.model_parallel_seed when the model has random ops in TP regions).
-        self.rng: ModelParallelRNG | None = None
+        # The dropout masks that differ per TP rank come from this tracker's stream, and recomputed layers replay
+        # its saved states. With dropout and none given, the model builds its own from (seed, TP rank, PP rank),
+        # Megatron's offsets; the pipeline stages of one rank (virtual pipeline) must share one: pass it as rng.
+        if rng is None and (config.attention_dropout or config.hidden_dropout):
+            rng = model_parallel_rng(config.seed, self.tp.rank, parallel_state.coords.pp)
+        self.rng: ModelParallelRNG | None = rng
         aliases = {"output_layer.weight": "embedding.weight"} if config.tie_embeddings and not pre_process else {}
         initialize_parameters(self, config.seed, self.tp.rank, self.tp.size, vocab_size=config.vocab_size,
                               aliases=aliases)
@@ -125,10 +144,10 @@ class GPTModel(nn.Module):
         layers = list(self.layers.values())
         cfg = self.config
         if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
-            return _layers_forward(layers, x, *rotary)
+            return _layers_forward(layers, x, *rotary, rng=self.rng)
         for start, end, recomputed in recomputed_layer_groups(len(layers), cfg.recompute_method,
                                                               cfg.recompute_num_layers):
-            run = functools.partial(_layers_forward, layers[start:end])
+            run = functools.partial(_layers_forward, layers[start:end], rng=self.rng)
             x = recompute(run, x, *rotary, rng=self.rng) if recomputed else run(x, *rotary)
         return x
 
@@ -167,7 +186,7 @@ class GPTModel(nn.Module):
 
 
 def _layers_forward(layers: Sequence[TransformerLayer], x: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> torch.Tensor:
+                    sin: torch.Tensor, rng: ModelParallelRNG | None = None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, (cos, sin))
+        x = layer(x, (cos, sin), rng=rng)
     return x

@@ -8,27 +8,39 @@ from megafp8.fp8.prologue import RMSNormPrologue, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, Llama's normalization (no mean subtraction, no bias).
+    """``gain * x / sqrt(mean(x^2) + eps)``, Llama's normalization (no mean subtraction, no bias).
 
     Matches ``transformers`` LlamaRMSNorm: normalize in fp32, cast back, then scale. Under sequence
     parallelism each TP rank normalizes its own sequence chunk with a replicated weight, so the weight
     is tagged ``sequence_parallel`` and its grad is summed over TP after backward.
+
+    ``zero_centered_gamma`` (--apply-layernorm-1p, Megatron's layernorm_zero_centered_gamma): the stored weight
+    w starts at 0 and the gain is ``1 + w``, computed in the weight's dtype in every forward (Megatron's
+    ``weight + 1``); the gradient reaching w is the gain's. Otherwise the gain is the weight, starting at 1.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
+        self.zero_centered_gamma = zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=params_dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel
+
+    def gain(self) -> torch.Tensor:
+        """What x is scaled by: ``1 + weight`` when zero-centred, else the weight itself."""
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
 
     def forward(self, x: torch.Tensor, as_prologue: bool = False) -> torch.Tensor | RMSNormPrologue:
         """as_prologue=True returns this norm as the next linear's prologue (in FP8 fused into the quantization of
         its input, megafp8.fp8.prologue) instead of normalizing x. It is still a module call, so the module's
-        forward hooks run: the overlapped parameter gather of --overlap-param-gather waits in one for this weight."""
+        forward hooks run: the overlapped parameter gather of --overlap-param-gather waits in one for this weight
+        (so the gain is computed here, after it)."""
         if as_prologue:
-            return RMSNormPrologue(self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)  # backward from the saved rstd (megafp8.fp8.prologue)
+            return RMSNormPrologue(self.gain(), self.eps)
+        return rms_norm(x, self.gain(), self.eps)  # backward from the saved rstd (megafp8.fp8.prologue)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", zero_centered_gamma" if self.zero_centered_gamma else "")

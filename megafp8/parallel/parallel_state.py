@@ -80,7 +80,7 @@ def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers:
                   sequence_parallel: bool = False, num_layers: int | None = None,
                   hidden_size: int | None = None, ffn_hidden_size: int | None = None,
                   num_attention_heads: int | None = None, num_query_groups: int | None = None,
-                  seq_length: int | None = None, global_batch_size: int | None = None,
+                  kv_channels: int | None = None, seq_length: int | None = None, global_batch_size: int | None = None,
                   micro_batch_size: int | None = None, pipeline_schedule: str | None = None,
                   first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[str]:
     """Every rule the layout breaks, each naming its flag; model/batch checks run only when given.
@@ -108,7 +108,10 @@ def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers:
     if num_attention_heads is not None and num_query_groups is not None:
         not_divisible("--num-attention-heads", num_attention_heads, "--num-query-groups", num_query_groups)
     not_divisible("--hidden-size", hidden_size, "--tensor-model-parallel-size", tp)
-    if hidden_size is not None and num_attention_heads is not None:
+    if kv_channels is not None:  # the head dim is given, so hidden need not divide by the heads (Megatron's rule)
+        if kv_channels % 2:
+            errors.append(f"--kv-channels ({kv_channels}, the head dim) must be even for rotary embeddings")
+    elif hidden_size is not None and num_attention_heads is not None:
         not_divisible("--hidden-size", hidden_size, "--num-attention-heads", num_attention_heads)
         if hidden_size % num_attention_heads == 0 and (hidden_size // num_attention_heads) % 2:
             errors.append(f"--hidden-size / --num-attention-heads = {hidden_size // num_attention_heads} "
@@ -241,7 +244,8 @@ class ParallelState:
                        micro_batch_size: int | None = None) -> None:
         """Check the model dims (any object with ModelConfig's attribute names) and batch sizes."""
         dims = {name: getattr(config, name, None) for name in (
-            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length")}
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+            "seq_length")}
         facts = ", ".join(f"{k}={v}" for k, v in dims.items() if v is not None)
         if global_batch_size is not None:
             facts += f", global_batch_size={global_batch_size}, micro_batch_size={micro_batch_size}"

@@ -53,7 +53,7 @@ from megafp8.parallel.cross_entropy import loss_normalizer, vocab_parallel_cross
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline_layout import ZERO_BUBBLE_SCHEDULES
-from megafp8.parallel.random import build_on_device
+from megafp8.parallel.random import build_on_device, model_parallel_rng
 from megafp8.parallel.tensor_parallel import allreduce_sequence_parallel_grads
 
 _SCHEDULE_CLASSES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
@@ -197,6 +197,9 @@ class Pipeline:
         self.layout = ps.pipeline_layout(config.num_layers)
         self.stage_ids = self.layout.stages_of_rank(ps.coords.pp)
         last_stage = self.layout.num_stages - 1
+        # One dropout-mask tracker per rank, shared by its chunks (virtual stages): one stream, saved in checkpoints.
+        rng = (model_parallel_rng(config.seed, ps.coords.tp, ps.coords.pp)
+               if config.attention_dropout or config.hidden_dropout else None)
         # Built on the device: each weight is allocated there once and drawn there from its (seed, name)
         # generator, no host copy (megafp8.parallel.random.build_on_device). The .to() only moves what a
         # module might have created on an explicit other device.
@@ -204,7 +207,7 @@ class Pipeline:
             self.chunks: list[GPTModel] = [
                 GPTModel(config, ps, pre_process=s == 0, post_process=s == last_stage,
                          layer_numbers=self.layout.layer_numbers(s), fp8_recipe=fp8_recipe,
-                         first_last_layers_bf16=first_last_layers_bf16).to(self.device)
+                         first_last_layers_bf16=first_last_layers_bf16, rng=rng).to(self.device)
                 for s in self.stage_ids]
         self.holds_first_stage = self.stage_ids[0] == 0
         self.holds_last_stage = self.stage_ids[-1] == last_stage

@@ -275,11 +275,16 @@ class ModelParallelRNG:
             _set_device_rng_state(default)
 
 
+def model_parallel_rng(seed: int, tp_rank: int, pp_rank: int = 0) -> ModelParallelRNG:
+    """A tracker whose ``fork()`` stream is distinct per TP rank and pipeline stage (Megatron's offsets), leaving
+    the default generators as they are (what a model builds for its dropout when it is given no tracker)."""
+    rng = ModelParallelRNG()
+    rng.add(MODEL_PARALLEL_RNG, seed + _PP_SEED_STRIDE * pp_rank + _TP_SEED_OFFSET + tp_rank)
+    return rng
+
+
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0) -> ModelParallelRNG:
     """Seed the default CPU/CUDA generators identically across TP (and DP) ranks, distinct per pipeline
     stage, and return a tracker whose ``fork()`` stream is distinct per TP rank (Megatron's offsets)."""
-    stage_seed = seed + _PP_SEED_STRIDE * pp_rank
-    torch.manual_seed(stage_seed)
-    rng = ModelParallelRNG()
-    rng.add(MODEL_PARALLEL_RNG, stage_seed + _TP_SEED_OFFSET + tp_rank)
-    return rng
+    torch.manual_seed(seed + _PP_SEED_STRIDE * pp_rank)
+    return model_parallel_rng(seed, tp_rank, pp_rank)

@@ -389,7 +389,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
             cp=args.context_parallel_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage, sequence_parallel=args.sequence_parallel,
             num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
             num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-            seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+            kv_channels=args.kv_channels, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers)
