@@ -3,10 +3,12 @@
 The formula is Megatron-LM's `num_floating_point_operations` for a dense model with SwiGLU and GQA
 (3 passes: forward, and backward at twice the forward; 2 FLOPs per multiply-add), written out per GEMM:
 
-    per layer and token, forward:   2h(h + 2 h_kv)        QKV projection (h_kv = kv heads x head dim)
-                                    2 h^2                 attention output projection
-                                    2 * 2 s h             QK^T and attention x V (full s x s, no causal halving)
+    per layer and token, forward:   2h(h_q + 2 h_kv)      QKV projection (h_q = heads x head dim d, h_kv = kv heads x d)
+                                    2 h h_q               attention output projection
+                                    2 * 2 s h_q           QK^T and attention x V (full s x s, no causal halving)
                                     3 * 2 h f             SwiGLU: gate, up and down projections (f = ffn hidden)
+
+with d = --kv-channels, else h / heads (then h_q = h).
     per token, forward:             2 h V                 the logits (V = padded vocabulary)
 
     FLOPs(iteration) = 3 * global_batch * s * (num_layers * layer + logits)
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 
 def flops_per_token_forward(*, num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
-                            num_query_groups: int, seq_length: int, padded_vocab_size: int) -> float:
+                            num_query_groups: int, seq_length: int, padded_vocab_size: int,
+                            kv_channels: int | None = None) -> float:
     """Forward FLOPs per token (multiply-add = 2), as in the module docstring."""
     h, f, s = hidden_size, ffn_hidden_size, seq_length
-    kv = h * num_query_groups // num_attention_heads
-    layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 2 * s * h + 3 * 2 * h * f
+    d = kv_channels if kv_channels is not None else h / num_attention_heads
+    q, kv = num_attention_heads * d, num_query_groups * d
+    layer = 2 * h * (q + 2 * kv) + 2 * h * q + 2 * 2 * s * q + 3 * 2 * h * f
     return num_layers * layer + 2 * h * padded_vocab_size
 
 
