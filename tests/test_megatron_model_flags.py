@@ -4,6 +4,7 @@ against transformers' Llama, the TP=1 model built from scratch, and the training
 run them."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from convert_testing import TOLERANCE, checkpoint_tensors, convert, rel_err, tin
 from data_fixtures import REPO_ROOT
 from distributed_testing import run_distributed
 from megafp8.checkpoint import load_checkpoint
+from megafp8.checkpoint.args_check import ArgsMismatchError
 from megafp8.checkpoint.convert_hf import training_args
 from megafp8.fp8 import Fp8Recipe
 from megafp8.model import GPTModel, ModelConfig
@@ -152,6 +154,37 @@ def test_zero_centered_gamma_exports_one_plus_w_to_transformers():
         assert rel_err(centred(ids)[..., : config.vocab_size], hf(ids).logits) <= TOLERANCE
     back = from_hf_state_dict(hf_state, config)
     assert all(torch.equal(back[k], v) for k, v in centred.state_dict().items() if k in back)
+
+
+def test_hf_checkpoint_converts_zero_centered_and_round_trips_bit_exact(tmp_path):
+    """HF -> megafp8 --apply-layernorm-1p (w = g - 1) -> HF gives every gain back bit for bit: g - 1 is exact for
+    g in [0.5, 2] and then 1 + w is g."""
+    hf = tiny_hf_llama(tmp_path / "hf", tie=True)
+    assert convert("--load-format", "hf", "--save-format", "megafp8", "--load-dir", tmp_path / "hf",
+                   "--save-dir", tmp_path / "m8", "--apply-layernorm-1p").returncode == 0
+    stored = checkpoint_tensors(tmp_path / "m8")
+    assert torch.equal(stored["model.final_layernorm.weight"], hf.model.norm.weight - 1)
+    config = model_config_from_hf(hf.config, seq_length=16, layernorm_zero_centered_gamma=True)
+    model = GPTModel(config, ParallelState().init_process_groups())
+    load_checkpoint(tmp_path / "m8", model=model, parallel_state=ParallelState(), args=training_args(config),
+                    finetune=True)
+    ids = _ids(config)
+    with torch.no_grad():
+        assert rel_err(model(ids)[..., : config.vocab_size], hf(ids).logits) <= TOLERANCE
+    result = convert("--load-format", "megafp8", "--save-format", "hf", "--load-dir", tmp_path / "m8",
+                     "--save-dir", tmp_path / "hf_back", "--save-dtype", "fp32")
+    assert result.returncode == 0, result.stderr
+    original = hf.state_dict()
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_back").state_dict()
+    assert sorted(original) == sorted(exported) and all(torch.equal(original[k], exported[k]) for k in original)
+    # A plain-gain run cannot load the zero-centred checkpoint, even as --finetune: the gains would be 0 + w.
+    plain = dataclasses.replace(config, layernorm_zero_centered_gamma=False)
+    with pytest.raises(ArgsMismatchError, match="--layernorm-zero-centered-gamma: checkpoint True, now False"):
+        load_checkpoint(tmp_path / "m8", model=GPTModel(plain, ParallelState().init_process_groups()),
+                        parallel_state=ParallelState(), args=training_args(plain), finetune=True)
+    wrong = convert("--load-format", "megafp8", "--save-format", "megatron", "--load-dir", tmp_path / "m8",
+                    "--save-dir", tmp_path / "x", "--apply-layernorm-1p")
+    assert wrong.returncode == 1 and "--apply-layernorm-1p applies to --load-format hf" in wrong.stderr
 
 
 # ---- dropout --------------------------------------------------------------------------------------------------

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                    help="megafp8->megatron: pad the vocab to a multiple of this x TP (Megatron-LM's flag; default the "
                    "run's saved value, else 128); the Megatron-LM run must pass the same")
+    p.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="hf->megafp8: store the RMSNorm gains zero-centred (g - 1), for runs with Megatron-LM's "
+                   "--apply-layernorm-1p (megafp8->hf writes 1 + w back from the saved flag)")
     p.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16", help="megafp8->hf")
     p.add_argument("--max-shard-size", default="5GB", help="megafp8->hf: start a new safetensors file past this")
     p.add_argument("--no-progress", action="store_true")
@@ -86,12 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
         check_load_dir(args.load_dir, args.load_format, args.load_iteration)
+        if args.apply_layernorm_1p and (args.load_format, args.save_format) != ("hf", "megafp8"):
+            raise CheckpointError("--apply-layernorm-1p applies to --load-format hf --save-format megafp8 only (the "
+                                  "other directions read it from the checkpoint's saved flags)")
         problem = save_dir_error(args.save_dir, "--save-dir")  # before the conversion's work, not after it
         if problem:
             raise CheckpointError(problem)
         if args.load_format == "hf" and args.save_format == "megafp8":
             config = hf_to_megafp8(args.load_dir, args.save_dir, target_tp=args.target_tensor_parallel_size,
-                                   target_pp=args.target_pipeline_parallel_size, progress=not args.no_progress)
+                                   target_pp=args.target_pipeline_parallel_size,
+                                   zero_centered_gamma=args.apply_layernorm_1p, progress=not args.no_progress)
             print(f"wrote {args.save_dir} (iteration 0). Train from it with:\n  python -m megafp8.pretrain "
                   f"--load {args.save_dir} --finetune {training_flags(config)} --tokenizer-... (vocab "
                   f"{config.vocab_size})")

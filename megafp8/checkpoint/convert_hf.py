@@ -8,6 +8,7 @@ running no code from its files (``safe_dcp``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -31,7 +32,7 @@ from megafp8.checkpoint.save_load import read_entries, save_checkpoint
 from megafp8.checkpoint.sharded_tensor import ShardedChunks
 from megafp8.model.config import ModelConfig
 from megafp8.model.hf_mapping import (_LAYER_RENAMES, NORM_WEIGHTS, fuse_qkv, hf_llama_config_kwargs, hf_norm_gain,
-                                      split_qkv)
+                                      norm_weight_from_hf, split_qkv)
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.megatron_flags import LLAMA_FLAGS
@@ -152,10 +153,12 @@ def _skeleton(names: list[str]) -> nn.Module:
 
 
 def hf_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, target_tp: int = 1, target_pp: int = 1,
-                  progress: bool = True) -> ModelConfig:
-    """Convert a HF Llama directory into a megafp8 checkpoint at iteration 0 (weights only, fp32)."""
+                  zero_centered_gamma: bool = False, progress: bool = True) -> ModelConfig:
+    """Convert a HF Llama directory into a megafp8 checkpoint at iteration 0 (weights only, fp32).
+    ``zero_centered_gamma`` (--apply-layernorm-1p): store each RMSNorm gain g as g - 1, for runs with that flag."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = model_config_from_hf_dict(read_hf_config(load_dir), str(load_dir / "config.json"))
+    config = dataclasses.replace(config, layernorm_zero_centered_gamma=zero_centered_gamma)
     check_target_layout(config, target_tp, target_pp)
     hf = HfTensors(load_dir)
     _check_layer_count(config.num_layers, hf.location, r"model\.layers\.(\d+)\.", load_dir / "config.json",
@@ -175,6 +178,8 @@ def hf_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, target_tp: int 
         parts = [hf.get(s, name).float() for s in sources]
         if name.endswith("linear_qkv.weight"):
             return fuse_qkv(*parts, config)
+        if name.endswith("layernorm.weight"):  # g - 1 is exact for gains in [0.5, 2] (Sterbenz): 1 + w gives g back
+            return norm_weight_from_hf(parts[0], config)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     tensors = {name: ((sum(expected[s][0] for s in sources),) + expected[sources[0]][1:],
