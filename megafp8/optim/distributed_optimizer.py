@@ -25,8 +25,10 @@ round-to-nearest would drop every update below half a grid step (a norm gain at 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -100,12 +102,14 @@ class DistributedOptimizer:
                             (megafp8.optim.fused_adamw; fp32 master + fp32 states only). None: on where the storage
                             is on CUDA and the preset has a kernel, else $MEGAFP8_FUSED_OPTIMIZER (1/0) decides;
                             the torch twin (slabs) elsewhere. True with another preset is an error.
+    decoupled_lr_params:    names of the parameters a step's ``decoupled_lr`` applies to (--decoupled-lr: the
+                            embedding and the output layer); the others step at ``lr``
     """
 
     def __init__(self, ddp: DistributedDataParallel, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, clip_grad: float = 0.0, master_weight_dtype: str = "fp32",
                  optimizer_state_dtype: str = "fp32", chunk_size: int = 1 << 16, rounding_seed: int = 0,
-                 fused_step: bool | None = None) -> None:
+                 fused_step: bool | None = None, decoupled_lr_params: Collection[str] = ()) -> None:
         if master_weight_dtype not in MASTER_DTYPES:
             raise ValueError(f"--master-weight-dtype must be one of {', '.join(MASTER_DTYPES)}, got {master_weight_dtype!r}")
         if clip_grad < 0 or weight_decay < 0:
@@ -115,6 +119,7 @@ class DistributedOptimizer:
         self.master_weight_dtype, self.optimizer_state_dtype = master_weight_dtype, optimizer_state_dtype
         self.chunk_size = max(GROUP, chunk_size // GROUP * GROUP)
         self.rounding_seed = rounding_seed
+        self.decoupled_lr_params = frozenset(decoupled_lr_params)
         ps = ddp.parallel_state
         self.dp, self.tp = ddp.dp, ddp.tp
         self.world = _world_handle(ps)
@@ -175,6 +180,7 @@ class DistributedOptimizer:
         frag_of_group = torch.full((groups,), nfrag, dtype=torch.int64)
         index_offset = torch.zeros(groups, dtype=torch.int64)
         decay, counted = torch.zeros(groups, dtype=torch.bool), torch.zeros(groups, dtype=torch.bool)
+        decoupled = torch.zeros(groups, dtype=torch.bool)
         params = list(self.ddp.bucket_of)
         position = {p: i for i, p in enumerate(params)}
         salts = torch.zeros(nfrag + 1, dtype=torch.int64)
@@ -184,6 +190,7 @@ class DistributedOptimizer:
             index_offset[g] = frag.param_lo - frag.storage_lo
             decay[g] = frag.param.dim() >= 2 and self.weight_decay > 0
             counted[g] = _counts_in_grad_norm(frag.param, self.tp.rank)
+            decoupled[g] = frag.name in self.decoupled_lr_params
             salts[frag.index] = zlib.crc32(self._rounding_name(frag).encode())
         self._frag_of_group, self._index_offset = frag_of_group.to(device), index_offset.to(device)
         self._group_decay, self._group_counted = decay.to(device), counted.to(device)
@@ -197,8 +204,23 @@ class DistributedOptimizer:
                 self._shards.append((bucket, lo, hi, storage))
             storage += hi - lo
         self._slabs = storage_slabs(self._shards, STEP_SLAB)
+        # With decoupled_lr: which groups take it, and the fused step's launches (each shard cut where the LR
+        # changes, at group boundaries). None where this rank owns none of those parameters: one LR, as without.
+        self._group_decoupled = decoupled.to(device) if bool(decoupled.any()) else None
+        self._decoupled_launches = self._lr_launches(decoupled) if self._group_decoupled is not None else None
         self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
         self._shard_view_cache: tuple[tuple, tuple] | None = None  # per bucket shard: param_data and master views
+
+    def _lr_launches(self, decoupled: torch.Tensor) -> list[tuple[Bucket, int, int, int, bool]]:
+        """(bucket, grad_lo, storage start, n, takes decoupled_lr) per run of same-LR groups of each bucket shard."""
+        launches = []
+        for bucket, lo, hi, storage in self._shards:
+            offset = 0
+            for flag, run in itertools.groupby(decoupled[storage // GROUP:(storage + hi - lo) // GROUP].tolist()):
+                n = len(list(run)) * GROUP
+                launches.append((bucket, lo + offset, storage + offset, n, flag))
+                offset += n
+        return launches
 
     @property
     def step_count(self) -> int:
@@ -310,9 +332,10 @@ class DistributedOptimizer:
         return C.all_reduce(total, self.world, "dp_grad_reduce")
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        """One AdamW step with learning rate ``lr`` (the training loop owns the schedule). Skipped (every stored
-        state kept) when the global grad norm is not finite; every rank sees the same all-reduced norm."""
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+        """One AdamW step with learning rate ``lr``, and ``decoupled_lr`` for the ``decoupled_lr_params`` (None: ``lr``
+        for all); the training loop owns the schedules. Skipped (every stored state kept) when the global grad norm
+        is not finite; every rank sees the same all-reduced norm."""
         self.ddp.finish_grad_sync()
         self.ddp.finish_param_sync()  # no gather may still be writing into the parameters
         norm = self.grad_norm_squared().sqrt()
@@ -328,17 +351,28 @@ class DistributedOptimizer:
         bias_correction2_sqrt = torch.sqrt(1 - powers[1]).float()
         step_size = (torch.full_like(bias_correction1, -lr) / bias_correction1).float()
         decay_factor = 1 - lr * self.weight_decay
+        # Two LRs: per-group constants for the slabs, per-launch ones for the fused step; each the one-LR
+        # arithmetic on that LR, so every element gets the bits a one-LR step at its LR would give it.
+        two_lrs = decoupled_lr is not None and decoupled_lr != lr and self._group_decoupled is not None
+        if two_lrs:
+            lrs = torch.full(self._group_decoupled.shape, lr, dtype=torch.float64, device=self._group_decoupled.device)
+            lrs.masked_fill_(self._group_decoupled, decoupled_lr)
+            step_sizes, decay_factors = (lrs.neg() / bias_correction1).float(), (1 - lrs * self.weight_decay).float()
         fp16 = self.master_weight_dtype == "fp16"
         if fp16:
             scale_of_group = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group]
             keys = rounding_keys(self.rounding_seed, step, self._rounding_salts)[self._frag_of_group]
             frag_amax = self.master_scale.new_zeros(len(self.fragments) + 1)
-        if self.fused_step:  # one launch per bucket shard: the fp32 preset's kernel (megafp8.optim.fused_adamw)
-            for bucket, lo, hi, storage in self._shards:
+        if self.fused_step:  # one launch per bucket shard (per same-LR run with two LRs): megafp8.optim.fused_adamw
+            launches = self._decoupled_launches if two_lrs else [(b, lo, s, hi - lo, False) for b, lo, hi, s in self._shards]
+            if two_lrs:
+                decoupled_step_size = (torch.full_like(bias_correction1, -decoupled_lr) / bias_correction1).float()
+            for bucket, lo, storage, n, decoupled in launches:
                 fused_adamw.adamw_fp32_triton(
                     bucket.grad_data, lo, self.master.values, self.exp_avg.values, self.exp_avg_sq.values, storage,
-                    hi - lo, self._group_decay if self.weight_decay > 0 else None, clip, finite, step_size,
-                    bias_correction2_sqrt, decay_factor, beta1, beta2, self.eps)
+                    n, self._group_decay if self.weight_decay > 0 else None, clip, finite,
+                    decoupled_step_size if decoupled else step_size, bias_correction2_sqrt,
+                    1 - decoupled_lr * self.weight_decay if decoupled else decay_factor, beta1, beta2, self.eps)
         for slab in [] if self.fused_step else self._slabs:
             start, n = slab.start, slab.n
             groups = self._groups(start, n)
@@ -351,14 +385,16 @@ class DistributedOptimizer:
             m, v = self.exp_avg.decode(start, start + n), self.exp_avg_sq.decode(start, start + n)
             # torch.optim.AdamW (single-tensor, non-capturable) in the same operation order, out of place.
             if self.weight_decay > 0:
-                p = p * torch.where(self._group_decay[groups, None], decay_factor, 1.0)
+                factor = decay_factors[groups, None] if two_lrs else decay_factor
+                p = p * torch.where(self._group_decay[groups, None], factor, 1.0)
             p = p.reshape(-1)
             m = torch.lerp(m, g, 1 - beta1)
             v = (v * beta2).addcmul_(g, g, value=1 - beta2)
             del g  # every temporary goes as soon as it is used: the step's peak is a few slab-sized tensors
             denom = (fused_adamw.sqrt_rn(v) / bias_correction2_sqrt).add_(self.eps)  # IEEE sqrt, as on CUDA
-            p = p + m.mul(step_size).div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
-            del denom
+            update = m.view(-1, GROUP).mul(step_sizes[groups, None]).view(-1) if two_lrs else m.mul(step_size)
+            p = p + update.div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
+            del update, denom
             self.exp_avg.encode(start, start + n, m, keep=finite)
             self.exp_avg_sq.encode(start, start + n, v, keep=finite)
             del m, v  # before the rounding's hash temporaries

@@ -17,11 +17,12 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 @dataclass(frozen=True)
 class LearningRateSchedule:
-    """lr(consumed_samples). All lengths are in samples; see `from_iterations` for the -iters flags."""
+    """lr(consumed_samples). All lengths are in samples; see `from_iterations` for the -iters flags.
+    `warmup_samples` may be fractional: Megatron's --lr-warmup-fraction x the decay length is not rounded."""
 
     max_lr: float
     min_lr: float
-    warmup_samples: int
+    warmup_samples: float
     decay_samples: int
     decay_style: str = "cosine"
     init_lr: float = 0.0  # the warm-up starts here (Megatron's --lr-warmup-init)

@@ -181,6 +181,10 @@ class Pipeline:
     The data-parallel reduction and the optimizer step are the caller's.
     """
 
+    # --calculate-per-token-loss: the gradient is of the whole global batch's token mean (the DP x CP ranks'
+    # summed token losses over their summed loss tokens), not the DP x CP mean of each rank's token mean.
+    calculate_per_token_loss = False
+
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
                  num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
                  split_weight_grads: bool | None = None, device: torch.device | str | None = None,
@@ -229,6 +233,11 @@ class Pipeline:
 
     def _cp_group(self):
         return self.parallel_state.cp_group if self.parallel_state.cp_enabled else None
+
+    def _loss_token_group(self):
+        """Whose loss tokens a rank's normalizer counts (megafp8.parallel.cross_entropy.loss_normalizer): its CP
+        group's, or with calculate_per_token_loss every DP x CP rank's (the global batch's)."""
+        return self.parallel_state.dp_group if self.calculate_per_token_loss else self._cp_group()
 
     def _local_seq_length(self) -> int:
         """Tokens of a sequence on this rank: context parallelism splits each sequence over its CP ranks."""
@@ -283,7 +292,7 @@ class Pipeline:
             raise ValueError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} / labels {tuple(labels.shape)} must be "
                              f"[--micro-batch-size x micro-batches, --seq-length / CP] = {list(expected)}")
         mask = torch.ones(expected, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
-        self._step_tokens = loss_normalizer(mask, self._cp_group())  # the CP ranks' tokens too
+        self._step_tokens = loss_normalizer(mask, self._loss_token_group())  # the CP (or DP x CP) ranks' tokens too
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         loss = self._run_plain(input_ids, labels, mask) if self.schedule is None else \
             self._run_schedule(input_ids, labels, mask)
@@ -306,7 +315,7 @@ class Pipeline:
         """
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         mask = torch.ones(labels.shape, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
-        self._step_tokens = loss_normalizer(mask, self._cp_group())  # the CP ranks' tokens too
+        self._step_tokens = loss_normalizer(mask, self._loss_token_group())  # the CP (or DP x CP) ranks' tokens too
         for chunk in self.chunks:
             chunk.eval()
         try:

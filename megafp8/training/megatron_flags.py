@@ -143,9 +143,10 @@ def add_training_flags(g: argparse._ArgumentGroup) -> None:
     _switch(g, "--manual-gc", "Python's garbage collector off, run by hand every --manual-gc-interval iterations "
             "(no collector stalls at random steps on random ranks)")
     g.add_argument("--manual-gc-interval", type=int, default=0,
-                   help="with --manual-gc: collect every this many iterations (0: only around evaluation and saves)")
+                   help="with --manual-gc: collect every this many iterations (0: only around evaluation)")
     g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
-                   help="return cached CUDA memory: 1 after each optimizer step, 2 also after forward/backward")
+                   help="return cached CUDA memory: 1 after forward/backward and each evaluation batch, 2 also after the "
+                        "optimizer step")
 
 
 def add_data_flags(g: argparse._ArgumentGroup) -> None:
@@ -254,11 +255,16 @@ def _schedule_flag_errors(args: argparse.Namespace) -> list[str]:
     for dest in ("decoupled_lr", "decoupled_min_lr"):
         if getattr(args, dest) is not None and getattr(args, dest) < 0:
             errors.append(f"--{dest.replace('_', '-')} must not be negative, got {getattr(args, dest)}")
-    if args.lr_warmup_fraction is not None:
-        if not 0 <= args.lr_warmup_fraction <= 1:
-            errors.append(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
-        if args.lr_warmup_iters or args.lr_warmup_samples:
-            errors.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
+    if args.decoupled_lr is not None and args.decoupled_lr >= 0:
+        # Their schedule decays from --decoupled-lr down to this floor (megafp8's schedule refuses a rising one).
+        floor, flag = ((args.decoupled_min_lr, "--decoupled-min-lr") if args.decoupled_min_lr is not None
+                       else (args.min_lr, "--min-lr (the floor without --decoupled-min-lr)"))
+        if floor > args.decoupled_lr:
+            errors.append(f"{flag} {floor} exceeds --decoupled-lr {args.decoupled_lr}: the embedding and output "
+                          "layer's LR decays to it")
+    # --lr-warmup-fraction's range is the schedule's rule (megafp8.training.train.learning_rate_schedule).
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        errors.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
     return errors
 
 

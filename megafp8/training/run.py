@@ -21,6 +21,11 @@ from megafp8.training.checkpointing import Checkpointer
 from megafp8.training.data_setup import close_batches
 from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 
+# What --decoupled-lr steps (Megatron's is_embedding_or_output_parameter): the input embedding and the output layer,
+# by global name. A tied head is the embedding (V schedules: the same Parameter, named embedding.weight); its
+# last-stage copy under PP (output_layer.weight) takes the same LR, so the two copies stay equal.
+DECOUPLED_LR_PARAMS = ("embedding.weight", "output_layer.weight")
+
 
 def build_training_state(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig):
     """(pipeline, ddp, optimizer) of this rank."""
@@ -31,12 +36,14 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
                               # The default split: FP8 wgrads in the zero-bubble W pass (they feed the grad
                               # buffer's hooks there); without FP8 no split (torch's W would bypass those hooks).
                               reduce_replicated_grads=False)
+    pipeline.calculate_per_token_loss = args.calculate_per_token_loss
     ddp = DistributedDataParallel(pipeline.modules, parallel_state, DDPConfig.from_args(args, recipe))
     ddp.num_microbatches = args.num_micro_batches  # the schedule runs every backward: overlap on the last one
     optimizer = DistributedOptimizer(ddp, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                      weight_decay=args.weight_decay, clip_grad=args.clip_grad,
                                      master_weight_dtype=args.master_weight_dtype,
-                                     optimizer_state_dtype=args.optimizer_state_dtype, rounding_seed=args.seed)
+                                     optimizer_state_dtype=args.optimizer_state_dtype, rounding_seed=args.seed,
+                                     decoupled_lr_params=DECOUPLED_LR_PARAMS if args.decoupled_lr is not None else ())
     return pipeline, ddp, optimizer
 
 

@@ -3,7 +3,8 @@ LR schedule, evaluation, logging, checkpoints and the exit conditions, on one ra
 
 Order of one iteration (every rank):
     zero the grad buffer -> forward/backward of each micro-batch -> finish the DP grad reduction ->
-    optimizer step at lr(consumed samples) (skipped on every rank if any grad is non-finite) ->
+    optimizer step at lr(consumed samples), the embedding and output layer at --decoupled-lr's schedule (skipped
+    on every rank if any grad is non-finite) ->
     FP8 delayed-scaling update (one amax collective) -> saturation guard -> log / evaluate / save / exit.
 
 An iteration that does not log asks the device nothing: the loss, the grad norm and the skipped/NaN counts
@@ -16,6 +17,8 @@ one iteration ahead, no queue drain), and only the iteration that switches a lay
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import os
 import signal
 import time
@@ -48,20 +51,38 @@ class TrainProgress:
 
 
 def learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule:
-    """--lr, --min-lr, --lr-decay-style and the warm-up/decay lengths (iterations or samples)."""
-    warmup = args.lr_warmup_samples if args.lr_warmup_samples is not None else args.lr_warmup_iters * args.global_batch_size
+    """--lr, --min-lr, --lr-decay-style and the warm-up/decay lengths (iterations or samples; or the warm-up as
+    --lr-warmup-fraction of the decay length, Megatron's lr_warmup_steps = fraction x lr_decay_steps, unrounded)."""
     if args.lr_decay_samples is not None:
         decay = args.lr_decay_samples
     elif args.lr_decay_iters is not None:
         decay = args.lr_decay_iters * args.global_batch_size
     else:
         decay = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        if not 0 <= args.lr_warmup_fraction < 1:  # Megatron's scheduler asserts warm-up < decay
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+        warmup = args.lr_warmup_fraction * decay
+    elif args.lr_warmup_samples is not None:
+        warmup = args.lr_warmup_samples
+    else:
+        warmup = args.lr_warmup_iters * args.global_batch_size
     wsd = args.lr_wsd_decay_samples
     if wsd is None and args.lr_wsd_decay_iters is not None:
         wsd = args.lr_wsd_decay_iters * args.global_batch_size
     return LearningRateSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_samples=warmup, decay_samples=decay,
                                 decay_style=args.lr_decay_style, wsd_decay_samples=wsd,
                                 wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def decoupled_learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule | None:
+    """--decoupled-lr's schedule of the input embedding and the output layer (megafp8.training.run's
+    DECOUPLED_LR_PARAMS), None without it: Megatron's param-group override, the same warm-up and decay from the same
+    --lr-warmup-init, to --decoupled-min-lr, else --min-lr."""
+    if args.decoupled_lr is None:
+        return None
+    min_lr = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    return dataclasses.replace(learning_rate_schedule(args), max_lr=args.decoupled_lr, min_lr=min_lr)
 
 
 # Test hook, unset in real runs: MEGAFP8_INJECT_NAN_AT_ITERATION=N makes iteration N's loss NaN on the logging
@@ -131,6 +152,7 @@ class Trainer:
         self.guard, self.progress, self.checkpointer = guard, progress or TrainProgress(), checkpointer
         self.recipe = Fp8Recipe.from_args(args)
         self.schedule = learning_rate_schedule(args)
+        self.decoupled_schedule = decoupled_learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
         # The last pipeline stage computes the loss; its first TP/CP/DP rank speaks for the run.
         ps = parallel_state
@@ -147,7 +169,8 @@ class Trainer:
                                          hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                                          num_attention_heads=args.num_attention_heads,
                                          num_query_groups=args.num_query_groups, seq_length=args.seq_length,
-                                         padded_vocab_size=pipeline.chunks[0].padded_vocab_size)
+                                         padded_vocab_size=pipeline.chunks[0].padded_vocab_size,
+                                         kv_channels=args.kv_channels)
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         self.profiler = IterationProfiler(args, ps.rank)
 
@@ -164,17 +187,31 @@ class Trainer:
             inputs, labels = (split_for_context_parallel(t, 1, self.ps.cp_rank, self.ps.cp_size) for t in (inputs, labels))
         return inputs, labels
 
+    def loss_mask(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """The loss mask of this rank's share of the batch (like `labels`); None: every token counts, as the
+        data has no mask. Also where the NaN test hook above comes in (and tests give uneven masks)."""
+        injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
+        return torch.full(labels.shape, float("nan")) if injected_nan else None
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss averaged over micro-batches and DP, optimizer updated?, grad norm), as device tensors. Under CP
-        each rank's loss is CP x its chunks' share of the sequence mean, so the DP x CP mean is CP=1's loss."""
+        """(the batch's loss, optimizer updated?, grad norm), as device tensors. The loss is the DP x CP mean of
+        each rank's token mean (under CP each rank's is CP x its chunks' share of the sequence mean, so the mean
+        is CP=1's); with --calculate-per-token-loss each rank's is DP x CP x its token-loss sum over the global
+        batch's loss tokens (the pipeline's normalizer), so the mean is the global batch's token mean, as
+        Megatron logs it (the summed losses over the summed tokens)."""
         self.ddp.zero_grad_buffer()
         inputs, labels = self._global_batch(self.train_batches)
-        injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
-        loss_mask = torch.full(labels.shape, float("nan")) if injected_nan else None  # the test hook above
+        loss_mask = self.loss_mask(labels)
         if self.forced_overflow_layer is not None:
             self.forced_overflow.arm(self.forced_overflow_layer, self.progress.iteration + 1)
         loss = self.pipeline.step(inputs, labels, loss_mask)  # also the FP8 amax reduction and scale update
-        result = self.optimizer.step(self.schedule(self.progress.consumed_samples))  # finishes the DP grad sync
+        if self.args.empty_unused_memory_level >= 1:  # Megatron's places: level 1 after forward/backward,
+            torch.cuda.empty_cache()                   # level 2 after the optimizer step as well
+        consumed = self.progress.consumed_samples
+        decoupled_lr = self.decoupled_schedule(consumed) if self.decoupled_schedule is not None else None
+        result = self.optimizer.step(self.schedule(consumed), decoupled_lr=decoupled_lr)  # finishes the DP grad sync
+        if self.args.empty_unused_memory_level >= 2:
+            torch.cuda.empty_cache()
         if self.guard is not None:
             for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
                 if self.is_stage_lead:
@@ -184,7 +221,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over --eval-iters global batches (no grads, no FP8 scaling-state updates)."""
-        losses = [self.pipeline.evaluate(*self._global_batch(self.valid_batches)) for _ in range(self.args.eval_iters)]
+        losses = []
+        for _ in range(self.args.eval_iters):
+            losses.append(self.pipeline.evaluate(*self._global_batch(self.valid_batches)))
+            if self.args.empty_unused_memory_level >= 1:
+                torch.cuda.empty_cache()
         self.progress.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
         return float(_mean_over(torch.stack(losses).mean(), self.ps.dp_group.group))
 
@@ -199,6 +240,10 @@ class Trainer:
         device = self.optimizer.master_scale.device
         self._new_skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._new_nan = torch.zeros((), dtype=torch.int64, device=device)
+        collector_was_on = gc.isenabled()
+        if args.manual_gc:  # Megatron's --manual-gc: no collector pauses at random steps on random ranks
+            gc.disable()
+            gc.collect()
         try:
             while p.iteration < self.train_iters:
                 telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
@@ -222,26 +267,47 @@ class Trainer:
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
-                    self._log_validation(self.evaluate())
+                    self._evaluate_and_log()
                 stop_now = (self._stop_decision_due() and self._must_stop(stop, start_time)) or (
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
                     self._read_counters()
                     self.checkpointer.save(self)
+                    self._collect_after_save()
+                if args.manual_gc and args.manual_gc_interval and p.iteration % args.manual_gc_interval == 0:
+                    gc.collect()
                 if stop_now:
                     break
             else:
                 if self.checkpointer is not None and (args.save_interval is None or p.iteration % args.save_interval):
                     self._read_counters()
                     self.checkpointer.save(self)  # the final state, unless the last interval just saved it
+                    self._collect_after_save()
             self._log_guard_switches()  # those after the last logged iteration
         finally:
             self.profiler.finish(p.iteration)  # a run that ended or stopped inside the window
             stop.restore()
             self.log.close()
+            if args.manual_gc and collector_was_on:  # the process goes on (a test, a notebook): as it was
+                gc.enable()
         self._read_counters()
         return p
+
+    def _evaluate_and_log(self) -> None:
+        """Evaluate; under --manual-gc collect before it and the young generation after it, as Megatron does
+        (its --no-manual-gc-eval, not in megafp8's parser, would turn that off)."""
+        around = self.args.manual_gc and getattr(self.args, "manual_gc_eval", True)
+        if around:
+            gc.collect()
+        self._log_validation(self.evaluate())
+        if around:
+            gc.collect(generation=0)  # what the evaluation made and dropped
+
+    def _collect_after_save(self) -> None:
+        """Megatron collects after every save of an FP8 run, collector on or off: the save's dequantized copies."""
+        if self.recipe is not None:
+            gc.collect()
 
     def _read_counters(self, *scalars: torch.Tensor) -> list[float]:
         """Fold the device-side skipped/NaN counts into the progress counters and return ``scalars`` as floats:
