@@ -14,7 +14,8 @@
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
 #   tokenizer (~5 minutes on 2 CPU cores). Both: hidden 128, 4 heads, 64-token samples, 8 per step.
 #   PARITY_ITERS=N        iterations per run (a multiple of the log interval, 5 quick / 10 full)
-#   PARITY_MODEL="..."    model flags replacing the default ones (e.g. a smaller model for a test)
+#   PARITY_MODEL="..."    model flags replacing the default ones (e.g. a smaller model for a test; the Llama block
+#                         flags are added to them)
 #   PARITY_RUNS="a b"     only these runs (the first one is the baseline)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +26,10 @@ mkdir -p "$work"
 
 if (( quick )); then
   iters="${PARITY_ITERS:-40}"; corpus_bytes=1000000; vocab=1000; eval_interval=20; log_interval=5
-  model="${PARITY_MODEL:---num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8}"
+  model="${PARITY_MODEL:---num-layers 2 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 --global-batch-size 8}"
 else
   iters="${PARITY_ITERS:-500}"; corpus_bytes=4000000; vocab=2000; eval_interval=100; log_interval=10
-  model="${PARITY_MODEL:---num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 64 --micro-batch-size 8 --global-batch-size 8}"
+  model="${PARITY_MODEL:---num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 --group-query-attention --num-query-groups 2 --seq-length 64 --micro-batch-size 8 --global-batch-size 8}"
 fi
 seq_length=$(sed -n 's/.*--seq-length \([0-9]*\).*/\1/p' <<< "$model")
 micro_batch=$(sed -n 's/.*--micro-batch-size \([0-9]*\).*/\1/p' <<< "$model")
@@ -41,10 +42,15 @@ if [[ ! -f "$work/stdlib_text_document.idx" ]]; then
       --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/tok.model" --append-eod --workers 2
 fi
 
+# The Llama block, said as Megatron-LM's Llama scripts say it (Megatron's defaults describe a GPT-3 block, which
+# megafp8 refuses): RMSNorm, SwiGLU, RoPE, no linear biases, no dropout.
+LLAMA_BLOCK=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+             --attention-dropout 0 --hidden-dropout 0)
 # shellcheck disable=SC2206  # the model flags are meant to split into words
 common=(
-  $model --train-iters "$iters" --seed 1234
-  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters $((iters / 20 + 1)) --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
+  "${LLAMA_BLOCK[@]}" $model --train-iters "$iters" --seed 1234
+  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters $((iters / 20 + 1)) --lr-decay-style cosine --weight-decay 0.1
+  --adam-beta2 0.95 --clip-grad 1.0 --fp8-amax-history-len 1024 --fp8-amax-compute-algo max
   --data-path "$work/stdlib_text_document" --split 98,2,0
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/tok.model"
   --eval-interval "$eval_interval" --eval-iters 4 --log-interval "$log_interval"

@@ -33,9 +33,16 @@ TRAIN_ITERS="${TRAIN_ITERS:-20000}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-128}"
 mkdir -p "$RUN_DIR"
 
+# The Llama block, said as Megatron-LM's Llama scripts say it (Megatron's defaults describe a GPT-3 block, which
+# megafp8 refuses): RMSNorm, SwiGLU, RoPE, no linear biases, no dropout.
+LLAMA_BLOCK=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+             --attention-dropout 0 --hidden-dropout 0)
+
 flags=(
   # Llama-3.1-8B: Llama-3-8B's shapes with Llama-3.1's RoPE frequency scaling (factor 8 from 8192 positions)
-  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8
+  "${LLAMA_BLOCK[@]}"
+  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+  --group-query-attention --num-query-groups 8
   --seq-length 32768 --max-position-embeddings 32768 --rotary-base 500000 --norm-epsilon 1e-5
   --use-rope-scaling --rope-scaling-factor 8
   --untie-embeddings-and-output-weights --init-method-std 0.02 --make-vocab-size-divisible-by 128

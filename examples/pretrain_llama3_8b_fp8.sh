@@ -33,10 +33,17 @@ TRAIN_ITERS="${TRAIN_ITERS:-100000}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-512}"
 mkdir -p "$RUN_DIR"
 
+# The Llama block, said as Megatron-LM's Llama scripts say it (Megatron's defaults describe a GPT-3 block, which
+# megafp8 refuses): RMSNorm, SwiGLU, RoPE, no linear biases, no dropout.
+LLAMA_BLOCK=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+             --attention-dropout 0 --hidden-dropout 0)
+
 flags=(
   # Llama-3-8B: 32 layers, hidden 4096, SwiGLU FFN 14336, 32 heads in 8 KV groups (GQA), RoPE base 500000,
   # untied embedding and output layer; the vocabulary (128256) comes from the tokenizer.
-  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8
+  "${LLAMA_BLOCK[@]}"
+  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+  --group-query-attention --num-query-groups 8
   --seq-length 8192 --max-position-embeddings 8192 --rotary-base 500000 --norm-epsilon 1e-5
   --untie-embeddings-and-output-weights --init-method-std 0.02 --make-vocab-size-divisible-by 128
   # 3D layout

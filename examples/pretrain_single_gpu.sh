@@ -25,14 +25,22 @@ RUN_DIR="${RUN_DIR:-runs/single_gpu}"
 TRAIN_ITERS="${TRAIN_ITERS:-20000}"
 mkdir -p "$RUN_DIR"
 
+# The Llama block, said as Megatron-LM's Llama scripts say it (Megatron's defaults describe a GPT-3 block, which
+# megafp8 refuses): RMSNorm, SwiGLU, RoPE, no linear biases, no dropout.
+LLAMA_BLOCK=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+             --attention-dropout 0 --hidden-dropout 0)
+
 flags=(
-  --num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 --num-query-groups 8
+  "${LLAMA_BLOCK[@]}"
+  --num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32
+  --group-query-attention --num-query-groups 8
   --seq-length 2048 --rotary-base 500000 --untie-embeddings-and-output-weights
-  --bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+  --bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max
   --use-distributed-optimizer --fp8-param-gather --grad-reduce-in-bf16
   --master-weight-dtype fp16 --optimizer-state-dtype fp8
   --micro-batch-size 4 --global-batch-size 64 --train-iters "$TRAIN_ITERS"
-  --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 500 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
+  --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 500 --lr-decay-style cosine
+  --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0
   --data-path "$DATA_PATH" --split 990,9,1 --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER"
   --eval-interval 500 --eval-iters 10
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 500 --keep-last 2

@@ -26,12 +26,20 @@ echo "== 3/5 preprocess: -> $work/stdlib_text_document.bin/.idx (Megatron MMIDID
 python tools/preprocess_data.py --input "$work/stdlib.jsonl" --output-prefix "$work/stdlib" --json-keys text \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/tok.model" --append-eod --workers 2
 
+# The Llama block, said as Megatron-LM's Llama scripts say it (Megatron's defaults describe a GPT-3 block, which
+# megafp8 refuses): RMSNorm, SwiGLU, RoPE, no linear biases, no dropout.
+LLAMA_BLOCK=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+             --attention-dropout 0 --hidden-dropout 0)
+
 flags=(
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
-  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 128
+  "${LLAMA_BLOCK[@]}"
+  --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4
+  --group-query-attention --num-query-groups 2 --seq-length 128
   --micro-batch-size 2 --global-batch-size 16 --train-iters "$iters"
-  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
-  --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16
+  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --lr-decay-style cosine
+  --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0
+  --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max
   --use-distributed-optimizer --fp8-param-gather --overlap-grad-reduce --overlap-param-gather
   --data-path "$work/stdlib_text_document" --split 98,2,0
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$work/tok.model"

@@ -7,10 +7,13 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+from megafp8.training.megatron_flags import LLAMA_FLAGS
+
+MODEL = [*LLAMA_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--train-iters", "4",
          "--log-interval", "4", "--eval-iters", "0", "--use-distributed-optimizer", "--clip-grad", "1.0"]
-FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+       "--fp8-amax-compute-algo", "max"]
 
 
 class HostReads(TorchDispatchMode):

@@ -30,7 +30,7 @@ def test_quick_table_and_json(tmp_path):
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| run | tokens/s | vs high precision | TFLOP/s | MFU")
     assert [line.split(" | ")[0][2:] for line in table[1:]] == NAMES
-    # The quick model: 2 layers, hidden 128, FFN 8/3 x 128 rounded to 64 = 384, 4 heads (MHA), seq 128,
+    # The quick model: 2 layers, hidden 128, FFN 384 (given: 8/3 x 128 rounded up to 64), 4 heads (MHA), seq 128,
     # micro batch 2; NullTokenizer 1000 + eod = 1001 entries padded to 1024.
     flops = _hand_flops(2, 2, 128, 384, 4, 4, 128, 1024)
     for r in rows:

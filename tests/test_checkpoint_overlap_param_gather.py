@@ -15,11 +15,13 @@ from safetensors.torch import load_file
 
 from convert_testing import convert
 from data_fixtures import REPO_ROOT, write_synthetic_dataset
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
-RUN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--num-layers", "2", "--hidden-size", "64",
-       "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-       "--lr", "1e-2", "--lr-warmup-iters", "0", "--train-iters", "2", "--eval-iters", "0", "--log-interval", "1",
-       "--use-distributed-optimizer", "--distributed-timeout-minutes", "1", "--ddp-bucket-size", "4000"]
+RUN = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--num-layers", "2",
+       "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+       "--global-batch-size", "8", "--lr", "1e-2", "--lr-warmup-iters", "0", "--train-iters", "2", "--eval-iters", "0",
+       "--log-interval", "1", "--use-distributed-optimizer", "--distributed-timeout-minutes", "1",
+       "--ddp-bucket-size", "4000"]
 PRECISIONS = {"fp32": [], "fp8": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-param-gather"]}
 
 

@@ -33,12 +33,14 @@ from megafp8.checkpoint.manifest import digest_file
 from megafp8.checkpoint.safe_dcp import load_plain
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 VOCAB = 100
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--seq-length", "16", "--max-position-embeddings", "32",
-         "--micro-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", str(VOCAB), "--split", "90,10,0", "--eval-iters", "0", "--log-interval", "1"]
+MODEL = [*LLAMA_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
+         "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "16",
+         "--max-position-embeddings", "32", "--micro-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "0",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--split", "90,10,0", "--eval-iters", "0",
+         "--log-interval", "1"]
 RNG_ITEM = "rng.rank00000"
 
 

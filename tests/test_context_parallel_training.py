@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 
 from data_fixtures import REPO_ROOT, write_synthetic_dataset
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 TIMEOUT = 300
-MODEL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1",
-         "--train-iters", "4"]
-FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+MODEL = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+         "--distributed-timeout-minutes", "1", "--train-iters", "4"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+       "--fp8-amax-compute-algo", "max"]
 ZERO = ["--use-distributed-optimizer"]
 
 

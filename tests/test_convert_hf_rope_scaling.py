@@ -131,7 +131,8 @@ def test_readme_commands_convert_a_llama31_directory_and_finetune_trains(tmp_pat
     # README's training line with its "..." filled in: TP=2, 128-token sequences, synthetic data
     _learnable_dataset(tmp_path / "counting")
     run_flags = (f"--tensor-model-parallel-size 2 --seq-length {SEQ} --micro-batch-size 4 --train-iters 6 "
-                 "--lr 1e-2 --lr-warmup-iters 0 --tokenizer-type NullTokenizer "
+                 "--lr 1e-2 --lr-warmup-iters 0 --lr-decay-style cosine --adam-beta2 0.95 "
+                 "--tokenizer-type NullTokenizer "
                  f"--vocab-size {VOCAB} --data-path counting --split 100,0,0 --eval-iters 0 --log-dir logs --save ft")
     assert train.startswith("torchrun ... -m megafp8.pretrain --load ckpt --finetune <the model flags it prints> ")
     command = (train.replace("torchrun ...", "torchrun --standalone --nproc-per-node 2")

@@ -20,11 +20,13 @@ from data_fixtures import REPO_ROOT, write_synthetic_dataset  # noqa: E402
 from megafp8.parallel.parallel_state import ParallelState  # noqa: E402
 from megafp8.training.arguments import parse_args  # noqa: E402
 from megafp8.training.data_setup import batches, build_datasets  # noqa: E402
+from megafp8.training.megatron_flags import LLAMA_FLAGS  # noqa: E402
 
 VOCAB = 100  # NullTokenizer: ids 0..99 plus eod = 101 entries, what the HF model must have
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--seq-length", "16", "--max-position-embeddings", "32",
-         "--norm-epsilon", "1e-6", "--rotary-base", "500000", "--untie-embeddings-and-output-weights"]
+MODEL = [*LLAMA_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
+         "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "16",
+         "--max-position-embeddings", "32", "--norm-epsilon", "1e-6", "--rotary-base", "500000",
+         "--untie-embeddings-and-output-weights"]
 RUN = ["--micro-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer",
        "--vocab-size", str(VOCAB), "--split", "90,10,0", "--eval-iters", "1", "--log-interval", "1"]
 TOLERANCE = 1e-4

@@ -18,6 +18,7 @@ from data_fixtures import write_synthetic_dataset
 from megafp8.data.builder import build_train_valid_test_datasets, samples_available
 from megafp8.pretrain import main
 from megafp8.training.data_setup import build_datasets, training_length_errors
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -104,9 +105,10 @@ def test_one_prefix_or_a_weighted_blend_repeats_epochs(prefixes):
 
 def test_the_training_entry_refuses_before_training_with_one_line(prefixes, capsys):
     available = samples_available(prefixes, SPLIT, SEQ_LENGTH)[0]
-    model = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-layers", "1", "--hidden-size", "32",
-             "--num-attention-heads", "2", "--seq-length", str(SEQ_LENGTH), "--micro-batch-size", "2",
-             "--global-batch-size", str(GLOBAL_BATCH), "--split", SPLIT, "--data-path", *prefixes]
+    model = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-layers", "1",
+             "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", str(SEQ_LENGTH),
+             "--micro-batch-size", "2", "--global-batch-size", str(GLOBAL_BATCH), "--split", SPLIT, "--data-path",
+             *prefixes]
     for length in (["--train-iters", str(available // GLOBAL_BATCH + 1)], ["--train-samples", str(available + 1)]):
         assert main([*model, *length]) == 2
         err = capsys.readouterr().err

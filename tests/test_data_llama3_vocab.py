@@ -13,6 +13,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from data_fixtures import REPO_ROOT, read_texts, run_tool
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 tokenizers = pytest.importorskip("tokenizers")
 megatron_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
@@ -73,9 +74,10 @@ def test_llama3_sized_vocab_preprocesses_to_int32_and_trains_at_tp2(tmp_path):
     # TP=2: 128,100 padded to a multiple of 128 x 2 = 128,256 (Llama-3's own size); the checkpoint keeps 128,100
     assert ModelConfig(vocab_size=vocab_size).padded_vocab_size(2) == 128256
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "megafp8.pretrain", "--tensor-model-parallel-size", "2", "--num-layers", "2",
-               "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
-               "--train-iters", "4", "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-iters", "0",
+               "-m", "megafp8.pretrain", *LLAMA_FLAGS, "--tensor-model-parallel-size", "2", "--num-layers", "2",
+               "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "4", "--seq-length", "64",
+               "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-2", "--lr-warmup-iters", "0",
+               "--lr-decay-style", "cosine", "--adam-beta2", "0.95", "--eval-iters", "0",
                "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_json,
                "--data-path", prefix + "_text_document", "--untie-embeddings-and-output-weights",
                "--log-dir", str(tmp_path / "logs"), "--save", str(tmp_path / "ckpt")]

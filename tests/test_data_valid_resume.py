@@ -14,6 +14,7 @@ import torch
 
 from data_fixtures import REPO_ROOT, write_synthetic_dataset
 from megafp8.training.data_setup import batches
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 from megafp8.training.train import TrainProgress
 
 
@@ -61,9 +62,10 @@ def test_a_checkpoint_from_before_the_counter_loads_with_validation_at_0():
 
 
 # ---- end to end: the training entry, interrupted with --exit-interval and resumed --------------------------------
-FLAGS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
-         "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "4",
-         "--lr", "1e-3", "--split", "90,10,0", "--train-iters", "10", "--eval-interval", "2", "--eval-iters", "1"]
+FLAGS = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "1",
+         "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "4",
+         "--global-batch-size", "4", "--lr", "1e-3", "--split", "90,10,0", "--train-iters", "10",
+         "--eval-interval", "2", "--eval-iters", "1"]
 
 
 def _pretrain(*flags: str) -> None:

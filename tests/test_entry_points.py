@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megafp8.training.megatron_flags import LLAMA_FLAGS
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,9 +57,9 @@ def test_pretrain_entry_without_flags_names_what_is_missing():
 
 
 # ---- what a new user hits: bad input is one line before any process group; a run says what it is ----------
-SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-               "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--eval-iters", "0",
-               "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+SMALL_MODEL = [*LLAMA_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+               "--eval-iters", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +126,10 @@ def test_a_run_says_what_it_is_and_what_it_resumes(synthetic_prefix, tmp_path):
     banner = [line for line in first.stdout.splitlines() if line.startswith("megafp8: ")]
     assert banner[0] == "megafp8: layout TP 1 x CP 1 x PP 1 x DP 1 = 1 process"
     assert banner[1] == "megafp8: batch 4 samples per iteration = 2 micro-batches of 2 x DP 1; 128 tokens per iteration, 2 iterations"
-    # 501 ids (NullTokenizer adds an end-of-document id), ffn 8/3 x 64 rounded up to 64 = 192
-    assert banner[2] == f"megafp8: parameters {_analytic_parameter_count(501, 64, 192, 2):,}"
-    assert banner[3].startswith("megafp8: precision FP8 hybrid delayed (amax history 1024, max)")
+    # 501 ids (NullTokenizer adds an end-of-document id), ffn Megatron-LM's default: 8/3 x 64 rounded down to 64 = 128
+    assert banner[2] == f"megafp8: parameters {_analytic_parameter_count(501, 64, 128, 2):,}"
+    # Megatron-LM's delayed-scaling defaults: a history of 1, the most recent amax
+    assert banner[3].startswith("megafp8: precision FP8 hybrid delayed (amax history 1, most_recent)")
     assert banner[4] == f"megafp8: outputs checkpoints {save}, metrics {tmp_path / 'logs'}/metrics.jsonl"
     assert " | ETA: 0:00:00 |" in first.stdout and "| elapsed: " in first.stdout
     # a math flag changed on resume: the message names the CLI flag that allows it, which then works

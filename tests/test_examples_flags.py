@@ -67,6 +67,7 @@ def test_llama3_8b_template_flags_are_accepted(tmp_path, nnodes):
             args.num_query_groups, args.seq_length, args.rotary_base, args.norm_epsilon) == (
         32, 4096, 14336, 32, 8, 8192, 500000.0, 1e-5)
     assert args.untie_embeddings_and_output_weights and args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.group_query_attention and args.attention_dropout == args.hidden_dropout == 0  # the Llama block
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (4, 2, nnodes)
     assert args.sequence_parallel and args.bf16 and args.fp8_format == "hybrid" and args.fp8_recipe == "delayed"
     assert args.use_distributed_optimizer and args.fp8_param_gather

@@ -19,6 +19,7 @@ from data_fixtures import REPO_ROOT, write_synthetic_dataset
 from megafp8.fp8 import Fp8Linear, Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
 from megafp8.fp8.forced_overflow import DEFAULT_FACTOR, ENV, ForcedOverflow
 from megafp8.fp8.telemetry import saturation_threshold
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -90,10 +91,11 @@ def test_guard_switch_is_an_event_and_drops_the_layer_telemetry():
 # ---- in a training run, as a user launches it --------------------------------------------------------------
 TIMEOUT = 300
 LAYER = "layers.0.mlp.linear_fc2"  # on pipeline stage 0: its switch must reach the last stage's metrics.jsonl
-RUN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
-       "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-       "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "4", "--seed", "7", "--fp8-format", "hybrid",
-       "--fp8-recipe", "delayed", "--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "1"]
+RUN = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2",
+       "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+       "--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "4", "--seed", "7",
+       "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+       "--fp8-amax-compute-algo", "max", "--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "1"]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from megafp8.fp8 import Fp8Recipe
 from megafp8.optim import DistributedOptimizer
 from megafp8.parallel.fp8_grad_reduce import fp8_reduce_scatter_async
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 SQNR_FLOOR_DB = 25.0  # E4M3, a scale per parameter per piece; measured 31.5-32 dB (docs/optimizer.md)
 
@@ -148,12 +149,14 @@ def test_fp8_grad_reduce_needs_the_distributed_optimizer():
 
 
 # ---- through the training entry: TP2 x PP2 x DP2, SP, overlap, FP8 param gather; resume bit-exact ----------
-ENTRY_RUN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64",
-             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1",
-             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
-             "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--use-distributed-optimizer", "--fp8-param-gather",
-             "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000", "--train-iters", "4"]
+ENTRY_RUN = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "4",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+             "--distributed-timeout-minutes", "1", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2", "--sequence-parallel", "--fp8-format", "hybrid",
+             "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+             "--use-distributed-optimizer", "--fp8-param-gather", "--overlap-grad-reduce", "--overlap-param-gather",
+             "--ddp-bucket-size", "20000", "--train-iters", "4"]
 
 
 def _pretrain(*flags):

@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megafp8.fp8 import Fp8Linear, Fp8Recipe
 from megafp8.training.arguments import parse_args
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 
 class _GemmCalls(TorchDispatchMode):
@@ -46,7 +47,8 @@ def test_only_fprop_accumulates_fast(name, fast):
 
 
 def test_fast_accum_is_a_recipe_field_read_from_the_args():
-    args = parse_args(["--fp8-format", "hybrid", "--data-path", "d", "--tokenizer-model", "t", "--train-iters", "1"])
+    args = parse_args([*LLAMA_FLAGS, "--fp8-format", "hybrid", "--data-path", "d", "--tokenizer-model", "t",
+                       "--train-iters", "1"])
     assert Fp8Recipe.from_args(args).fprop_fast_accum  # default on, as TransformerEngine
     args.fp8_fprop_fast_accum = False  # the flag the training arguments will offer (--no-fp8-fprop-fast-accum)
     assert not Fp8Recipe.from_args(args).fprop_fast_accum

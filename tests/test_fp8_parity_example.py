@@ -13,8 +13,8 @@ RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise",
 
 def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARITY_ITERS": "20",
-           "PARITY_MODEL": "--num-layers 1 --hidden-size 128 --num-attention-heads 4 --seq-length 32 "
-                           "--micro-batch-size 4 --global-batch-size 4"}
+           "PARITY_MODEL": "--num-layers 1 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 "
+                           "--seq-length 32 --micro-batch-size 4 --global-batch-size 4"}
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "examples", "fp8_parity.sh"), "--quick", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

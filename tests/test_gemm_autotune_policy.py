@@ -44,6 +44,7 @@ def test_the_benchmark_tunes_and_the_training_flag_asks_for_it(text_prefix, monk
     from pathlib import Path
 
     from megafp8 import pretrain
+    from megafp8.training.megatron_flags import LLAMA_FLAGS
 
     monkeypatch.delenv(gemm.AUTOTUNE_ENV_VAR, raising=False)
     bench = Path(__file__).resolve().parents[1] / "tools" / "bench" / "bench_gemm.py"
@@ -52,9 +53,10 @@ def test_the_benchmark_tunes_and_the_training_flag_asks_for_it(text_prefix, monk
     assert os.environ[gemm.AUTOTUNE_ENV_VAR] == "1"
 
     prefix, tokenizer = text_prefix
-    flags = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
-             "--eval-iters", "0", "--fp8-format", "hybrid", "--data-path", prefix, "--tokenizer-model", tokenizer]
+    flags = [*LLAMA_FLAGS, "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+             "--train-iters", "1", "--eval-iters", "0", "--fp8-format", "hybrid", "--data-path", prefix,
+             "--tokenizer-model", tokenizer]
     monkeypatch.delenv(gemm.AUTOTUNE_ENV_VAR)
     assert pretrain.main(flags) == 0
     assert gemm.AUTOTUNE_ENV_VAR not in os.environ  # a plain run launches the default config

@@ -29,6 +29,7 @@ from megafp8.optim.fp8_param_cast import num_scale_groups
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.checkpointing import Checkpointer
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 from megafp8.training.train import TrainProgress, saturation_guard
 
 LR, STEPS, SWITCH_AFTER, SAVE_AT = 1e-3, 5, 1, 3
@@ -191,11 +192,12 @@ def test_guard_switch_with_overlap_param_gather(tmp_path):
 
 
 # ---- end to end: torchrun, 2 processes; the lead's forced-overflow hook makes one layer saturate ----------
-PRETRAIN = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1",
-            "--split", "100,0,0", "--train-iters", "6", "--use-distributed-optimizer", "--fp8-format", "hybrid",
-            "--fp8-saturation-guard-patience", "3"]
+PRETRAIN = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+            "--distributed-timeout-minutes", "1", "--split", "100,0,0", "--train-iters", "6",
+            "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+            "--fp8-amax-compute-algo", "max", "--fp8-saturation-guard-patience", "3"]
 
 
 def _pretrain(tmp, *flags: str, param_gather: bool = True) -> subprocess.CompletedProcess:

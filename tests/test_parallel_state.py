@@ -140,9 +140,10 @@ def test_context_parallel_layout_errors_name_the_flag(layout, model, message):
 
 def test_context_parallel_layout_error_before_any_process_group():
     from megafp8.training.arguments import ArgumentError, parse_args
+    from megafp8.training.megatron_flags import LLAMA_FLAGS
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "36",
              "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--data-path", "x",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--context-parallel-size", "4"]
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--context-parallel-size", "4", *LLAMA_FLAGS]
     with pytest.raises(ArgumentError, match=r"--seq-length \(36\) must be divisible by 2 x --context-parallel-size \(8\)"):
         parse_args(flags, 4)
     assert parse_args([*flags[:7], "32", *flags[8:]], 8).data_parallel_size == 2

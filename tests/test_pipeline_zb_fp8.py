@@ -21,6 +21,7 @@ from megafp8.fp8 import Fp8Recipe
 from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline import build_pipeline
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 from pipeline_testing import Case, config
 
 ZB_CASES = [Case(schedule="interleaved-zb", vpp=1, fp8=True), Case(schedule="zbv", tie=True, fp8=True),
@@ -83,10 +84,11 @@ def test_zero_bubble_fp8_split_matches_unsplit_and_pp1():
     run_distributed(_split_body, world_size=2, timeout_s=600)
 
 
-ENTRY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-layers", "4", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4",
-         "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "3", "--eval-iters", "0", "--log-interval", "1",
-         "--distributed-timeout-minutes", "1", "--fp8-format", "hybrid", "--pipeline-model-parallel-size", "2"]
+ENTRY = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-layers", "4",
+         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+         "--global-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", "3",
+         "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1", "--fp8-format", "hybrid",
+         "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max", "--pipeline-model-parallel-size", "2"]
 ZERO = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--fp8-param-gather"]
 ENTRY_RUNS = {"1f1b": [], "interleaved-zb": ["--num-layers-per-virtual-pipeline-stage", "1"], "zbv": [],
               "dualpipev": [], "1f1b+zero": ZERO, "zbv+zero": ZERO}  # ZeRO: FP8 param gather, overlapped reduce

@@ -12,6 +12,7 @@ from megafp8.checkpoint.hf_files import ConversionError, model_config_from_hf_di
 from megafp8.model.config import ModelConfig
 from megafp8.model.rotary import Llama3RopeScaling, RotaryEmbedding, rope_inv_freq
 from megafp8.training.arguments import ArgumentError, parse_args
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +85,7 @@ def test_cos_sin_tables_match_transformers_past_the_original_length():
 
 
 def _argv(*extra: str) -> list[str]:
-    return ["--data-path", "unused", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+    return [*LLAMA_FLAGS, "--data-path", "unused", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
             "--train-iters", "1", *extra]
 
 

@@ -17,14 +17,17 @@ from pathlib import Path
 import pytest
 
 from data_fixtures import REPO_ROOT, write_synthetic_dataset
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 TIMEOUT = 300  # seconds per launch: a hang fails the test instead of stalling the suite
-MODEL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1"]
+MODEL = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "4",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+         "--distributed-timeout-minutes", "1"]
 LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
-FP8_ZERO = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--use-distributed-optimizer",
-            "--fp8-param-gather", "--overlap-grad-reduce", "--overlap-param-gather"]
+FP8_ZERO = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+            "--fp8-amax-compute-algo", "max", "--use-distributed-optimizer", "--fp8-param-gather",
+            "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 @pytest.fixture(scope="module")

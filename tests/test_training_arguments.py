@@ -4,8 +4,9 @@ import pytest
 
 from megafp8.fp8 import Fp8Recipe
 from megafp8.training.arguments import ArgumentError, parse_args
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
-BASE = ["--data-path", "data/x_text_document", "--tokenizer-model", "tok.model", "--train-iters", "10"]
+BASE = [*LLAMA_FLAGS, "--data-path", "data/x_text_document", "--tokenizer-model", "tok.model", "--train-iters", "10"]
 
 
 def test_megatron_flags_parse_and_derive():
@@ -15,7 +16,7 @@ def test_megatron_flags_parse_and_derive():
                               "--use-distributed-optimizer", "--fp8-param-gather", "--hidden-size", "96"],
                       world_size=8)
     assert args.data_parallel_size == 2 and args.num_micro_batches == 4 and args.train_samples == 160
-    assert args.pipeline_schedule == "1f1b" and args.ffn_hidden_size == 256  # 8/3 x 96 rounded up to 64
+    assert args.pipeline_schedule == "1f1b" and args.ffn_hidden_size == 256  # 8/3 x 96, a multiple of 64
     recipe = Fp8Recipe.from_args(args)
     assert recipe.scaling == "delayed" and recipe.amax_history_len == 16 and recipe.fp8_format == "hybrid"
 
@@ -52,7 +53,7 @@ def test_bad_flags_name_the_flag(extra, world, flag):
 
 def test_all_problems_are_reported_at_once():
     with pytest.raises(ArgumentError) as info:
-        parse_args(["--tokenizer-type", "NullTokenizer", "--pipeline-schedule", "zbv"], world_size=1)
+        parse_args([*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--pipeline-schedule", "zbv"], world_size=1)
     message = str(info.value)
     for flag in ("--train-iters or --train-samples", "--vocab-size", "--data-path", "--pipeline-schedule zbv"):
         assert flag in message

@@ -9,9 +9,11 @@ import sys
 import pytest
 
 from data_fixtures import REPO_ROOT, small_corpus, sp_model, text_prefix  # noqa: F401 (fixtures)
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr", "3e-4"]
+MODEL = [*LLAMA_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads",
+         "4", "--seq-length", "64", "--micro-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--min-lr",
+         "3e-4", "--lr-decay-style", "cosine", "--adam-beta2", "0.95"]
 
 
 def _pretrain(*flags: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -12,13 +12,15 @@ import pytest
 
 from data_fixtures import write_synthetic_dataset
 from distributed_testing import run_distributed
+from megafp8.training.megatron_flags import LLAMA_FLAGS
 
 WORLD = 4
 ITERS = 3
-MODEL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-layers", "8", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
-         "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", str(ITERS), "--eval-iters", "0",
-         "--log-interval", "1", "--distributed-timeout-minutes", "1", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+MODEL = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--num-layers", "8",
+         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+         "--global-batch-size", "8", "--lr", "1e-2", "--lr-warmup-iters", "1", "--train-iters", str(ITERS),
+         "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "1",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 SCHEDULE_FLAGS = {"1f1b": [], "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"],
                   "interleaved-zb": ["--num-layers-per-virtual-pipeline-stage", "1"], "zbv": [], "dualpipev": []}
 TIES = {"tied": [], "untied": ["--untie-embeddings-and-output-weights"]}

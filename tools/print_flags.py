@@ -4,7 +4,7 @@ accepted values, default and the parser's help, straight from megafp8.training.a
 
     python tools/print_flags.py                  # all groups
     python tools/print_flags.py --group "precision and FP8"
-    python tools/print_flags.py --megatron       # Megatron-LM's flags / refused / megafp8's own (docs/megatron.md)
+    python tools/print_flags.py --megatron       # Megatron-LM's flags / refused / megafp8's own (docs/training.md)
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def markdown(groups: dict[str, list[argparse.Action]]) -> str:
 
 def megatron_groups() -> str:
     """Every flag megafp8 knows in three tables: Megatron-LM's with its meaning (refused values named), Megatron-LM's
-    refused outright (with the reason), megafp8's own (docs/megatron.md ends with this output)."""
+    refused outright (with the reason), megafp8's own (docs/training.md "Megatron-LM's flags" embeds this output)."""
     from megafp8.training.megatron_flags import DEFAULTS_THAT_DIFFER, MEGAFP8_ONLY, REFUSED_FLAGS, REFUSED_VALUES
 
     actions = [a for a in build_parser()._actions if a.dest != "help"]

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 from megafp8.data.indexed_dataset import IndexedDatasetWriter, optimal_dtype  # noqa: E402
 from megafp8.training.arguments import parse_args  # noqa: E402
 from megafp8.training.flops import flops_per_iteration  # noqa: E402
+from megafp8.training.megatron_flags import LLAMA_FLAGS  # noqa: E402
 from megafp8.training.model_setup import model_config_from_args  # noqa: E402
 from megafp8.training.training_log import device_peak_tflops  # noqa: E402
 
@@ -60,14 +61,18 @@ def configurations(high_precision: list[str]) -> list[tuple[str, list[str]]]:
 
 def model_flags(quick: bool, iters: int) -> list[str]:
     if quick:
-        shape = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-                 "--micro-batch-size", "2"]
+        shape = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "384", "--num-attention-heads", "4",
+                 "--seq-length", "128", "--micro-batch-size", "2"]
     else:  # Llama-3.2-1B's transformer (1.04B parameters with this 32k tied vocabulary), 8 x 2048 = 16k
         # tokens per step: enough GEMM work that the step measures the model, not the optimizer
         shape = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads",
-                 "32", "--num-query-groups", "8", "--seq-length", "2048", "--micro-batch-size", "8"]
-    return [*shape, "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
-            "--log-interval", "1", "--split", "100,0,0", "--seed", "1234"]
+                 "32", "--group-query-attention", "--num-query-groups", "8", "--seq-length", "2048",
+                 "--micro-batch-size", "8"]
+    # delayed scaling over a 1024-amax history (max), beta2 0.95 and a cosine decay, as these rows always measured
+    return [*LLAMA_FLAGS, *shape, "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1",
+            "--lr-decay-style", "cosine", "--adam-beta2", "0.95", "--fp8-amax-history-len", "1024",
+            "--fp8-amax-compute-algo", "max", "--eval-iters", "0", "--log-interval", "1", "--split", "100,0,0",
+            "--seed", "1234"]
 
 
 def write_synthetic_tokens(prefix: str, vocab_size: int, num_tokens: int, seed: int = 0) -> None:
