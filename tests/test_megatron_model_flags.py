@@ -218,6 +218,25 @@ def test_dropout_is_off_in_eval_and_replayed_by_recomputation():
         assert all(torch.equal(results[granularity][1][n], g) for n, g in grads.items()), granularity
 
 
+def test_attention_dropout_is_unbiased_over_many_masks():
+    """Statistically, against the eval output (which equals transformers'): the attention output is linear in the
+    dropped probabilities, so its mean over many masks is the output without dropout."""
+    config = _config(num_layers=1, attention_dropout=0.25, seq_length=8)
+    model = GPTModel(config, ParallelState().init_process_groups())
+    attention = model.layers["0"].self_attention
+    draws = 4000  # one sequence repeated over the batch: each copy gets its own masks
+    x = torch.randn(config.seq_length, 1, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    rotary = model.rotary(config.seq_length)
+    with torch.no_grad():
+        expected = attention.eval()(x, rotary)[:, 0]
+        attention.train()
+        outputs = attention(x.expand(-1, draws, -1).contiguous(), rotary, rng=model.rng)
+    assert not torch.equal(outputs[:, 0], outputs[:, 1])
+    # The mean of 4000 draws: its standard error is std / 63; 5 standard errors bound it.
+    bound = 5 * outputs.std(dim=1) / draws ** 0.5 + 1e-6
+    assert ((outputs.mean(dim=1) - expected).abs() <= bound).all()
+
+
 def _hidden_dropout_tp_body(rank: int, world_size: int, sequence_parallel: bool) -> None:
     # Hidden dropout acts on the residual stream, replicated over TP: every rank draws the TP=1 masks from the
     # default generator, so the TP=2 model equals the single-process one (attention dropout off: its masks are
