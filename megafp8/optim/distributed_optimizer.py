@@ -2,19 +2,16 @@
 master weights and optimizer states, global grad-norm clipping, NaN/inf step skipping, and the
 parameter publication (high precision or FP8 bytes) that follows each step.
 
-Ranges (Megatron's four): a bucket's *world* range is ``[offset, offset + numel)`` of the grad buffer;
-this DP rank's *local* (gbuf) range of it is ``[r S, (r+1) S)``; a parameter's *param* range is its
-``[start, end)`` in the bucket; their intersection is a ``Fragment``: the part of one parameter this
-rank owns, addressed in the parameter's own flat index (``param_lo``/``param_hi``, what checkpoints
-store) and in this rank's flat optimizer storage (``storage_lo``). Without the distributed optimizer
-every rank owns every bucket whole (plain DDP with the same update code).
+Each rank owns a ``Fragment`` of some parameters, laid out in its flat storage (megafp8.optim.storage_layout:
+Megatron's ranges). Without the distributed optimizer every rank owns every bucket whole (plain DDP with the same
+update code).
 
 The step takes the storage in slabs of up to ``STEP_SLAB`` elements (across bucket boundaries), in a fixed
 number of tensor ops per slab whatever the number of parameters or buckets: decode master, m and v, update
 in fp32, encode, with the per-parameter constants (weight decay, fp16 scale, rounding key, grad-norm weight) broadcast from per-128-group tables
 built once (a parameter's fragment starts on a group boundary, so each group belongs to one parameter).
-With fp32 master weights and states the step can instead run as two Triton launches per bucket shard
-(``fused_step``, megafp8.optim.fused_adamw), bit-identical to the slabs (its torch twin).
+The update itself (megafp8.optim.storage_update) can instead run as two Triton launches per bucket shard, for
+every preset (``fused_step``: megafp8.optim.fused_adamw, fused_adamw_coded), bit-identical to the slabs (its twin).
 The global grad norm and the non-finite check stay on the device: a non-finite step keeps every stored
 state (``torch.where`` on the finite flag) instead of returning early, so no step asks the host. Master weights: ``fp32``, or ``fp16`` with one power-of-two scale per tensor
 (FP8-LM), agreed over DP by a MAX all-reduce of the per-tensor amaxes so a checkpoint re-slices at any
@@ -25,9 +22,7 @@ round-to-nearest would drop every update below half a grid step (a norm gain at 
 """
 from __future__ import annotations
 
-import itertools
 import os
-import zlib
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -36,37 +31,20 @@ import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import invalidate_fp8_weight_caches
-from megafp8.optim import fused_adamw
+from megafp8.optim import fused_adamw, fused_adamw_coded
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
-from megafp8.optim.storage_slabs import STEP_SLAB, StorageSlab, storage_slabs
-from megafp8.optim.stochastic_rounding import counter_uniform_at, rounding_keys, stochastic_round_to_fp16
+from megafp8.optim.storage_layout import Fragment, StorageLayout
+from megafp8.optim.storage_slabs import STEP_SLAB, StorageSlab
+from megafp8.optim.storage_update import Fp16Master, adamw_update
+from megafp8.optim.stochastic_rounding import rounding_keys
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tensor_bytes
-from megafp8.parallel.sharding import is_tensor_model_parallel
 
 MASTER_DTYPES = ("fp32", "fp16")
 FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
-FUSED_ENV = "MEGAFP8_FUSED_OPTIMIZER"  # 1: the fused Triton step wherever the preset has one (e.g. under TRITON_INTERPRET); 0: never
-
-
-@dataclass(eq=False)
-class Fragment:
-    """The part ``[param_lo, param_hi)`` of one parameter that this rank owns."""
-
-    index: int
-    param: nn.Parameter
-    name: str
-    bucket: Bucket
-    bucket_lo: int
-    param_lo: int
-    param_hi: int
-    storage_lo: int
-
-    @property
-    def numel(self) -> int:
-        return self.param_hi - self.param_lo
+FUSED_ENV = "MEGAFP8_FUSED_OPTIMIZER"  # 1: the fused Triton step (on a CPU: under TRITON_INTERPRET); 0: never
 
 
 @dataclass
@@ -98,10 +76,10 @@ class DistributedOptimizer:
     chunk_size:             elements decoded at once when writing a guard-switched weight (the step and the FP8
                             publication take whole slabs)
     rounding_seed:          seeds the fp16 master's stochastic rounding (the same seed resumes bit-exactly)
-    fused_step:             the step as Triton kernels, a fixed number of launches per bucket shard
-                            (megafp8.optim.fused_adamw; fp32 master + fp32 states only). None: on where the storage
-                            is on CUDA and the preset has a kernel, else $MEGAFP8_FUSED_OPTIMIZER (1/0) decides;
-                            the torch twin (slabs) elsewhere. True with another preset is an error.
+    fused_step:             the step as Triton kernels, a fixed number of launches per bucket shard, for every preset
+                            (megafp8.optim.fused_adamw for fp32 master + fp32 states, megafp8.optim.fused_adamw_coded
+                            for the others). None: on where the storage is on CUDA, else $MEGAFP8_FUSED_OPTIMIZER
+                            (1/0) decides; the torch twin (slabs) elsewhere.
     decoupled_lr_params:    names of the parameters a step's ``decoupled_lr`` applies to (--decoupled-lr: the
                             embedding and the output layer); the others step at ``lr``
     """
@@ -123,21 +101,30 @@ class DistributedOptimizer:
         ps = ddp.parallel_state
         self.dp, self.tp = ddp.dp, ddp.tp
         self.world = _world_handle(ps)
-        self.fragments = self._make_fragments()
-        numel = sum(b.shard_range(self.dp.rank, self.dp.size, ddp.distributed)[1]
-                    - b.shard_range(self.dp.rank, self.dp.size, ddp.distributed)[0] for b in ddp.buckets)
         device = ddp.grad_buffers[0].device
+        layout = StorageLayout(ddp, weight_decay=weight_decay, decoupled_lr_params=self.decoupled_lr_params,
+                               slab_size=STEP_SLAB, device=device)
+        self.fragments, numel, self._shards, self._slabs = layout.fragments, layout.numel, layout.shards, layout.slabs
+        self._frag_of_group, self._index_offset = layout.frag_of_group, layout.index_offset
+        self._group_decay, self._group_counted = layout.group_decay, layout.group_counted
+        self._group_decoupled, self._decoupled_launches = layout.group_decoupled, layout.decoupled_launches
+        self._param_of_frag, self._rounding_salts, self._num_params = (layout.param_of_frag, layout.rounding_salts,
+                                                                       layout.num_params)
+        self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
+        self._shard_view_cache: tuple[tuple, tuple] | None = None  # per bucket shard: param_data and master views
         # Counters on the device: whether a step counts is known there only (the finite flag).
         self._step = torch.zeros((), dtype=torch.int64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._betas = torch.tensor(betas, dtype=torch.float64, device=device)  # once, not a blocking copy per step
-        self._make_group_tables(numel, device)
         self._fp8_publication: Fp8Publication | None = None
         self.master: StateCodec = PlainCodec(numel, device, torch.float16 if master_weight_dtype == "fp16" else torch.float32)
         self.master_scale = torch.ones(len(self.fragments), device=device)  # fp16 codes = value * scale
         self.exp_avg = make_state_codec(optimizer_state_dtype, numel, device)
         self.exp_avg_sq = make_state_codec(optimizer_state_dtype, numel, device)
         self.fused_step = self._choose_fused_step(fused_step, torch.device(device))
+        coded = (master_weight_dtype, optimizer_state_dtype) != ("fp32", "fp32")  # else fused_adamw's kernel
+        self._coded_storage = (fused_adamw_coded.coded_storage(self.master, self.exp_avg, self.exp_avg_sq)
+                               if coded else None)
         self._init_master()
         ddp.release_fp8_param_storage()  # the master now holds those values
         self._publish()
@@ -148,79 +135,13 @@ class DistributedOptimizer:
                               for info in ddp.fp8_params.values()]
 
     def _choose_fused_step(self, requested: bool | None, device: torch.device) -> bool:
-        supported = (self.master_weight_dtype, self.optimizer_state_dtype) == ("fp32", "fp32") and fused_adamw.AVAILABLE
         if requested is None:
             env = os.environ.get(FUSED_ENV, "")
             requested = env == "1" if env in ("0", "1") else device.type == "cuda"
-            return requested and supported
-        if requested and not supported:
-            raise ValueError("the fused optimizer step has a kernel for --master-weight-dtype fp32 with "
-                             f"--optimizer-state-dtype fp32 only, not {self.master_weight_dtype}/{self.optimizer_state_dtype}")
+            return requested and fused_adamw.AVAILABLE
+        if requested and not fused_adamw.AVAILABLE:
+            raise ValueError("the fused optimizer step needs Triton, which is not installed")
         return requested
-
-    # ---- ranges ---------------------------------------------------------------------------------
-    def _make_fragments(self) -> list[Fragment]:
-        fragments, storage = [], 0
-        for bucket in self.ddp.buckets:
-            lo, hi = bucket.shard_range(self.dp.rank, self.dp.size, self.ddp.distributed)
-            for p in bucket.params:
-                start, end = bucket.ranges[p]
-                a, b = max(start, lo), min(end, hi)
-                if a < b:
-                    fragments.append(Fragment(len(fragments), p, self.ddp.param_names[p], bucket, a, a - start, b - start,
-                                              storage + a - lo))
-            storage += hi - lo
-        return fragments
-
-    def _make_group_tables(self, numel: int, device) -> None:
-        """Per 128-element group of the storage: its fragment (``len(fragments)`` for padding), the offset from
-        storage index to the parameter's flat index, whether weight decay applies and whether the grad norm
-        counts it; per fragment: its parameter's position (for the DP amax agreement) and its rounding salt."""
-        groups, nfrag = numel // GROUP, len(self.fragments)
-        frag_of_group = torch.full((groups,), nfrag, dtype=torch.int64)
-        index_offset = torch.zeros(groups, dtype=torch.int64)
-        decay, counted = torch.zeros(groups, dtype=torch.bool), torch.zeros(groups, dtype=torch.bool)
-        decoupled = torch.zeros(groups, dtype=torch.bool)
-        params = list(self.ddp.bucket_of)
-        position = {p: i for i, p in enumerate(params)}
-        salts = torch.zeros(nfrag + 1, dtype=torch.int64)
-        for frag in self.fragments:
-            g = slice(frag.storage_lo // GROUP, -(-(frag.storage_lo + frag.numel) // GROUP))
-            frag_of_group[g] = frag.index
-            index_offset[g] = frag.param_lo - frag.storage_lo
-            decay[g] = frag.param.dim() >= 2 and self.weight_decay > 0
-            counted[g] = _counts_in_grad_norm(frag.param, self.tp.rank)
-            decoupled[g] = frag.name in self.decoupled_lr_params
-            salts[frag.index] = zlib.crc32(self._rounding_name(frag).encode())
-        self._frag_of_group, self._index_offset = frag_of_group.to(device), index_offset.to(device)
-        self._group_decay, self._group_counted = decay.to(device), counted.to(device)
-        self._param_of_frag = torch.tensor([position[f.param] for f in self.fragments], dtype=torch.int64, device=device)
-        self._rounding_salts, self._num_params = salts.to(device), len(params)
-        # Each bucket's shard: (bucket, its local range, its first storage index).
-        self._shards, storage = [], 0
-        for bucket in self.ddp.buckets:
-            lo, hi = bucket.shard_range(self.dp.rank, self.dp.size, self.ddp.distributed)
-            if hi > lo:
-                self._shards.append((bucket, lo, hi, storage))
-            storage += hi - lo
-        self._slabs = storage_slabs(self._shards, STEP_SLAB)
-        # With decoupled_lr: which groups take it, and the fused step's launches (each shard cut where the LR
-        # changes, at group boundaries). None where this rank owns none of those parameters: one LR, as without.
-        self._group_decoupled = decoupled.to(device) if bool(decoupled.any()) else None
-        self._decoupled_launches = self._lr_launches(decoupled) if self._group_decoupled is not None else None
-        self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
-        self._shard_view_cache: tuple[tuple, tuple] | None = None  # per bucket shard: param_data and master views
-
-    def _lr_launches(self, decoupled: torch.Tensor) -> list[tuple[Bucket, int, int, int, bool]]:
-        """(bucket, grad_lo, storage start, n, takes decoupled_lr) per run of same-LR groups of each bucket shard."""
-        launches = []
-        for bucket, lo, hi, storage in self._shards:
-            offset = 0
-            for flag, run in itertools.groupby(decoupled[storage // GROUP:(storage + hi - lo) // GROUP].tolist()):
-                n = len(list(run)) * GROUP
-                launches.append((bucket, lo + offset, storage + offset, n, flag))
-                offset += n
-        return launches
 
     @property
     def step_count(self) -> int:
@@ -255,13 +176,6 @@ class DistributedOptimizer:
         if self.master_weight_dtype == "fp16":
             values = values * self.master_scale[frag.index]
         self.master.encode(s, s + n, values)
-
-    def _rounding_name(self, frag: Fragment) -> str:
-        """Every holder of the same values draws the same bits: TP-replicated parameters (norms) are salted by
-        name only, so their TP copies stay identical; the last stage's copy of a tied embedding uses the
-        embedding's name (what checkpoints call it). TP shards of one tensor are salted apart by TP rank."""
-        name = "embedding.weight" if getattr(frag.param, "shared_embedding", False) else frag.name
-        return f"{name}@tp{self.tp.rank}" if is_tensor_model_parallel(frag.param) else name
 
     def _agreed_param_amax(self, local: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over DP."""
@@ -358,58 +272,25 @@ class DistributedOptimizer:
             lrs = torch.full(self._group_decoupled.shape, lr, dtype=torch.float64, device=self._group_decoupled.device)
             lrs.masked_fill_(self._group_decoupled, decoupled_lr)
             step_sizes, decay_factors = (lrs.neg() / bias_correction1).float(), (1 - lrs * self.weight_decay).float()
-        fp16 = self.master_weight_dtype == "fp16"
-        if fp16:
-            scale_of_group = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group]
-            keys = rounding_keys(self.rounding_seed, step, self._rounding_salts)[self._frag_of_group]
-            frag_amax = self.master_scale.new_zeros(len(self.fragments) + 1)
-        if self.fused_step:  # one launch per bucket shard (per same-LR run with two LRs): megafp8.optim.fused_adamw
+        common = dict(group_decay=self._group_decay if self.weight_decay > 0 else None, clip=clip, finite=finite,
+                      bias_correction2_sqrt=bias_correction2_sqrt, beta1=beta1, beta2=beta2, eps=self.eps,
+                      fp16=self._fp16_tables(step))
+        if self.fused_step:  # one launch per bucket shard (per same-LR run with two LRs)
             launches = self._decoupled_launches if two_lrs else [(b, lo, s, hi - lo, False) for b, lo, hi, s in self._shards]
             if two_lrs:
                 decoupled_step_size = (torch.full_like(bias_correction1, -decoupled_lr) / bias_correction1).float()
             for bucket, lo, storage, n, decoupled in launches:
-                fused_adamw.adamw_fp32_triton(
-                    bucket.grad_data, lo, self.master.values, self.exp_avg.values, self.exp_avg_sq.values, storage,
-                    n, self._group_decay if self.weight_decay > 0 else None, clip, finite,
-                    decoupled_step_size if decoupled else step_size, bias_correction2_sqrt,
-                    1 - decoupled_lr * self.weight_decay if decoupled else decay_factor, beta1, beta2, self.eps)
-        for slab in [] if self.fused_step else self._slabs:
-            start, n = slab.start, slab.n
-            groups = self._groups(start, n)
-            g = self._slab_grads(slab)
-            if clip is not None:
-                g = g * clip
-            p = self.master.decode(start, start + n).view(-1, GROUP)
-            if fp16:
-                p = p / scale_of_group[groups, None]
-            m, v = self.exp_avg.decode(start, start + n), self.exp_avg_sq.decode(start, start + n)
-            # torch.optim.AdamW (single-tensor, non-capturable) in the same operation order, out of place.
-            if self.weight_decay > 0:
-                factor = decay_factors[groups, None] if two_lrs else decay_factor
-                p = p * torch.where(self._group_decay[groups, None], factor, 1.0)
-            p = p.reshape(-1)
-            m = torch.lerp(m, g, 1 - beta1)
-            v = (v * beta2).addcmul_(g, g, value=1 - beta2)
-            del g  # every temporary goes as soon as it is used: the step's peak is a few slab-sized tensors
-            denom = (fused_adamw.sqrt_rn(v) / bias_correction2_sqrt).add_(self.eps)  # IEEE sqrt, as on CUDA
-            update = m.view(-1, GROUP).mul(step_sizes[groups, None]).view(-1) if two_lrs else m.mul(step_size)
-            p = p + update.div_(denom)  # addcdiv's (value * m) / denom; p may alias the fp32 master
-            del update, denom
-            self.exp_avg.encode(start, start + n, m, keep=finite)
-            self.exp_avg_sq.encode(start, start + n, v, keep=finite)
-            del m, v  # before the rounding's hash temporaries
-            if fp16:
-                index = torch.arange(start, start + n, device=p.device).view(-1, GROUP) + self._index_offset[groups, None]
-                uniform = counter_uniform_at(keys[groups, None], index)
-                del index
-                codes = p.view(-1, GROUP) * scale_of_group[groups, None]
-                self.master.encode(start, start + n, stochastic_round_to_fp16(codes, uniform).view(-1), keep=finite)
-                del codes, uniform
-                frag_amax.scatter_reduce_(0, self._frag_of_group[groups], p.abs().view(-1, GROUP).amax(dim=1), "amax")
-            else:
-                self.master.encode(start, start + n, p, keep=finite)
-            del p  # before the next slab's (or the publication's) temporaries exist
-        if fp16 and self.fragments:
+                self._launch_update(bucket.grad_data, lo, storage, n,
+                                    step_size=decoupled_step_size if decoupled else step_size,
+                                    decay_factor=1 - decoupled_lr * self.weight_decay if decoupled else decay_factor,
+                                    **common)
+        for slab in [] if self.fused_step else self._slabs:  # the torch twin
+            adamw_update(slab.grads, slab.start, slab.n, self.master, self.exp_avg, self.exp_avg_sq,
+                         step_size=step_sizes if two_lrs else step_size,
+                         decay_factor=decay_factors if two_lrs else decay_factor, **common)
+        if common["fp16"] is not None and self.fragments:
+            frag_amax = self.master_scale.new_zeros(len(self.fragments) + 1)
+            frag_amax.scatter_reduce_(0, self._frag_of_group, common["fp16"].group_amax, "amax")
             self._rescale_fp16_master(frag_amax[:-1], finite)
         self._step += finite
         self._skipped += ~finite
@@ -417,6 +298,26 @@ class DistributedOptimizer:
         # scales this step's update() set, as a run resumed from this step's checkpoint casts them.
         self._publish()
         return StepResult(~finite, norm)
+
+    def _fp16_tables(self, step: torch.Tensor) -> Fp16Master | None:
+        """This step's per-group tables of the fp16 master (None for an fp32 master)."""
+        if self.master_weight_dtype != "fp16":
+            return None
+        return Fp16Master(torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group],
+                          rounding_keys(self.rounding_seed, step, self._rounding_salts)[self._frag_of_group],
+                          self._index_offset, self.master_scale.new_empty(self._frag_of_group.numel()))
+
+    def _launch_update(self, grads: torch.Tensor, grad_lo: int, start: int, n: int, *, fp16: Fp16Master | None,
+                       **kw) -> None:
+        """The fused update of storage ``[start, start + n)``: fp32 master and moments in megafp8.optim.fused_adamw's
+        kernel, every other preset in megafp8.optim.fused_adamw_coded's."""
+        if self._coded_storage is not None:
+            fused_adamw_coded.adamw_coded_triton(grads, grad_lo, start, n, self._coded_storage, fp16=fp16, **kw)
+            return
+        fused_adamw.adamw_fp32_triton(grads, grad_lo, self.master.values, self.exp_avg.values, self.exp_avg_sq.values,
+                                      start, n, kw["group_decay"], kw["clip"], kw["finite"], kw["step_size"],
+                                      kw["bias_correction2_sqrt"], kw["decay_factor"], kw["beta1"], kw["beta2"],
+                                      kw["eps"])
 
     def _rescale_fp16_master(self, frag_amax: torch.Tensor, finite: torch.Tensor) -> None:
         """Move a tensor's power-of-two scale when its agreed amax left ``[2^8, 2^13]`` (exact: codes times a
@@ -444,7 +345,12 @@ class DistributedOptimizer:
             params, masters = self._shard_views(whole)
             if params:
                 torch._foreach_copy_(params, masters)
-        for slab, views in zip([] if self.master_weight_dtype == "fp32" else self._slabs, self._slab_param_views()):
+        elif self.fused_step and whole:  # codes / their tensor's scale, one launch per shard: the slab decode's bits
+            scale_of_group = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group]
+            for param, codes, shard in zip(*self._shard_views(whole), [sh for sh in self._shards if sh[0] in whole]):
+                fused_adamw_coded.publish_fp16_master_triton(codes, scale_of_group, shard[3] // GROUP, param)
+        slabs = [] if self.master_weight_dtype == "fp32" or self.fused_step else self._slabs
+        for slab, views in zip(slabs, self._slab_param_views()):
             picks = [k for k, (bucket, _lo, _hi) in enumerate(slab.pieces) if bucket in whole]
             if not picks:
                 continue
@@ -469,7 +375,7 @@ class DistributedOptimizer:
         return {b for b, *_ in self._shards if b.param_data is not None and not any(p in special for p in b.params)}
 
     def _shard_views(self, whole: set[Bucket]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The param_data views of the ``whole`` buckets' shards and their fp32 master views, built again only when
+        """The param_data views of the ``whole`` buckets' shards and their master views, built again only when
         a bucket's param_data or the set changed (views made per step would cost ops per bucket)."""
         key = (tuple(id(b.param_data) for b in self.ddp.buckets), frozenset(id(b) for b in whole))
         if self._shard_view_cache is None or self._shard_view_cache[0] != key:
@@ -589,7 +495,3 @@ def _world_handle(ps) -> GroupHandle:
         return GroupHandle.solo(ps.rank, ps.comm)
     return GroupHandle(group=dist.group.WORLD, ranks=tuple(range(ps.world_size)), rank=ps.rank, counters=ps.comm)
 
-
-def _counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
-    """Each element once: a tied embedding's pipeline copy never, a TP-replicated parameter on TP rank 0 only."""
-    return not getattr(param, "shared_embedding", False) and (is_tensor_model_parallel(param) or tp_rank == 0)

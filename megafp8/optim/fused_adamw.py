@@ -1,5 +1,5 @@
 """The optimizer step as one Triton kernel launch per bucket shard (fp32 master weights and fp32 moments), beside
-its torch twin with the same signature.
+its torch twin with the same signature (the other presets: megafp8.optim.fused_adamw_coded).
 
 Why here and not in ``kernels/``: the kernel speaks the optimizer's storage layout (flat shards, 128-element
 groups with a per-group weight-decay table, the keep-on-non-finite rule), which ``kernels/`` must not know; its
@@ -27,7 +27,8 @@ torch's ``lerp`` and ``addcmul`` are fused multiply-adds (checked in tests/test_
     p  = p + (m * step_size) / d
 
 with IEEE division and square root (``div_rn``, ``sqrt_rn``: Triton's ``/`` and ``sqrt`` may be approximate on a
-GPU). torch's own fp32 ``sqrt`` on the CPU (AVX512 build) is within an ulp but not correctly rounded (0.6% of
+GPU), launched with ``enable_fp_fusion=False``: the fmas are the ones written (``tl.fma``), the compiler may not
+contract a product and a sum the twin rounds apart (``p * decay + update``, the squares' first tree level). torch's own fp32 ``sqrt`` on the CPU (AVX512 build) is within an ulp but not correctly rounded (0.6% of
 random inputs differ from IEEE), so the twins take the square root through fp64 (``sqrt_rn``: correctly rounded,
 53 >= 2 x 24 + 2 bits), which is what CUDA's ``sqrtf`` and Triton's ``sqrt_rn`` give.
 
@@ -158,7 +159,7 @@ def grad_group_squares_triton(grads: torch.Tensor, grad_lo: int, out: torch.Tens
     rows = _block(grads.device) // GROUP
     groups = n // GROUP
     _grad_group_squares_kernel[(triton.cdiv(groups, rows),)](grads, grad_lo, out, group_lo, groups, ROWS=rows,
-                                                             GROUP_SIZE=GROUP)
+                                                             GROUP_SIZE=GROUP, enable_fp_fusion=False)
 
 
 def adamw_fp32_triton(grads: torch.Tensor, grad_lo: int, master: torch.Tensor, exp_avg: torch.Tensor,
@@ -174,4 +175,4 @@ def adamw_fp32_triton(grads: torch.Tensor, grad_lo: int, master: torch.Tensor, e
         finite if group_decay is None else group_decay, finite if clip is None else clip, finite, step_size,
         bias_correction2_sqrt, decay_factor, weight, beta2, 1 - beta2, eps,
         HAS_DECAY=group_decay is not None, HAS_CLIP=clip is not None, SMALL_WEIGHT=abs(weight) < 0.5,
-        BLOCK=block, GROUP_SIZE=GROUP)
+        BLOCK=block, GROUP_SIZE=GROUP, enable_fp_fusion=False)

@@ -1,0 +1,99 @@
+"""log2 and exp2 in fp64 from IEEE-rounded +, -, x, / and exact bit operations: the same bits in torch and in Triton.
+
+Why: the FP8 moment codec (megafp8.optim.state_codec) raises values to non-integer powers. Library ``log`` and ``pow``
+differ in the last bit between torch's CPU build (SLEEF), numpy (what Triton's interpreter runs) and CUDA's libdevice,
+so a fused kernel could not reproduce the codec's bits. Written out as a range reduction and a polynomial, every step
+is a correctly rounded basic operation, which every IEEE implementation computes alike: torch on any device, Triton
+interpreted, and Triton compiled (launched with ``enable_fp_fusion=False``: no multiply-add is fused behind our back).
+In fp64 the results are within ~1e-11 relative of the true values, so the codec's fp32 results are the correctly
+rounded ones but in rare ties of a last bit: accuracy is fp32's, reproducibility is exact.
+
+    log2(x) = e + s * P(s^2)     x = 2^e m, m in [sqrt(1/2), sqrt(2)), s = (m - 1) / (m + 1), |s| < 0.172
+                                 (ln m = 2 atanh s: P's coefficients are 2 / (ln 2 (2i + 1)), 7 terms)
+    exp2(t) = Q(f) * 2^n         n = floor(t + 1/2), f = t - n in [-1/2, 1/2], for t in [-1022, 1023]
+                                 (Q: the Taylor series of 2^f, 10 terms)
+
+Polynomials run by Horner's rule, a multiply then an add per term. The Triton versions read their coefficients from
+``constants(device)``: a Python float literal in a Triton kernel is an fp32 constant.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the torch versions need none of it
+    triton = None
+
+LOG2_COEFFS = tuple(2 / math.log(2) / (2 * i + 1) for i in range(7))
+EXP2_COEFFS = tuple(math.log(2) ** i / math.factorial(i) for i in range(10))
+LOG2_AT, EXP2_AT = 0, len(LOG2_COEFFS)  # where each polynomial's coefficients sit in ``constants()``
+SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # fp64 bits of sqrt(1/2) (nearest): where the log's mantissa range starts
+
+_constants: dict[torch.device, torch.Tensor] = {}
+
+
+def constants(device: torch.device | str) -> torch.Tensor:
+    """The polynomials' coefficients as an fp64 tensor on ``device`` (made once per device)."""
+    device = torch.device(device)
+    if device not in _constants:
+        _constants[device] = torch.tensor(LOG2_COEFFS + EXP2_COEFFS, dtype=torch.float64, device=device)
+    return _constants[device]
+
+
+def log2_(x: torch.Tensor) -> torch.Tensor:
+    """log2 of positive, finite fp64 values, computed in ``x``'s memory (other inputs give unspecified finite or NaN
+    values). In place because the optimizer's twin runs it on 4M-element slabs: a few such tensors live at once."""
+    bits = x.view(torch.int64)
+    e = (bits - SQRT_HALF_BITS).bitwise_right_shift_(52)
+    f = bits.sub_(e << 52).view(torch.float64).sub_(1.0)  # m - 1, m = x / 2^e (exact) in [sqrt(1/2), sqrt(2))
+    s = f.div_(f + 2.0)
+    z = s * s
+    p = (z * LOG2_COEFFS[-1]).add_(LOG2_COEFFS[-2])
+    for c in reversed(LOG2_COEFFS[:-2]):
+        p.mul_(z).add_(c)
+    del z
+    return s.mul_(p).add_(e)  # e + s p; e (int64) converts exactly
+
+
+def exp2_(t: torch.Tensor) -> torch.Tensor:
+    """2^t for fp64 ``t`` in [-1022, 1023]; ``t`` is overwritten (its memory holds a temporary)."""
+    n = (t + 0.5).floor_()
+    f = t.sub_(n)  # exact
+    q = (f * EXP2_COEFFS[-1]).add_(EXP2_COEFFS[-2])
+    for c in reversed(EXP2_COEFFS[:-2]):
+        q.mul_(f).add_(c)
+    return q.mul_(n.long().add_(1023).bitwise_left_shift_(52).view(torch.float64))
+
+
+if triton is not None:
+    _SQRT_HALF_BITS = tl.constexpr(SQRT_HALF_BITS)
+    _LOG2_AT, _LOG2_TERMS = tl.constexpr(LOG2_AT), tl.constexpr(len(LOG2_COEFFS))
+    _EXP2_AT, _EXP2_TERMS = tl.constexpr(EXP2_AT), tl.constexpr(len(EXP2_COEFFS))
+
+    @triton.jit
+    def log2_fp64(x, consts_ptr):
+        """``log2_`` on an fp64 tile; ``consts_ptr``: ``constants(device)``."""
+        bits = x.to(tl.int64, bitcast=True)
+        e = (bits - _SQRT_HALF_BITS) >> 52
+        m = (bits - (e << 52)).to(tl.float64, bitcast=True)
+        f = m - 1.0
+        s = f / (f + 2.0)  # fp64 division is IEEE in Triton (div.rn.f64); div_rn is fp32's
+        z = s * s
+        p = z * tl.load(consts_ptr + _LOG2_AT + _LOG2_TERMS - 1) + tl.load(consts_ptr + _LOG2_AT + _LOG2_TERMS - 2)
+        for i in tl.static_range(_LOG2_TERMS - 3, -1, -1):
+            p = p * z + tl.load(consts_ptr + _LOG2_AT + i)
+        return s * p + e.to(tl.float64)
+
+    @triton.jit
+    def exp2_fp64(t, consts_ptr):
+        """``exp2_`` on an fp64 tile; ``consts_ptr``: ``constants(device)``."""
+        n = tl.floor(t + 0.5)
+        f = t - n
+        q = f * tl.load(consts_ptr + _EXP2_AT + _EXP2_TERMS - 1) + tl.load(consts_ptr + _EXP2_AT + _EXP2_TERMS - 2)
+        for i in tl.static_range(_EXP2_TERMS - 3, -1, -1):
+            q = q * f + tl.load(consts_ptr + _EXP2_AT + i)
+        return q * ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
