@@ -1,5 +1,6 @@
 """tools/bench/bench_optimizer_memory.py: its live-bytes tracker counts what ops allocate (not views, not in-place
-results, not persistent tensors) until freed, and --quick prints one row per preset x --fp8-param-gather."""
+results, not persistent tensors; on one device type if asked) until freed, and --quick prints one row per preset x
+--fp8-param-gather."""
 import os
 import subprocess
 import sys
@@ -25,6 +26,16 @@ def test_live_bytes_counts_allocations_until_freed():
         del b
     assert mode.peak == 2 * 4096 * 4 and mode.live == 1024 * 4
     del c
+    assert mode.live == 0
+
+
+def test_live_bytes_counts_only_the_device_type_asked():
+    mode = LiveBytes(device_type="cpu")
+    with mode:
+        on_cpu = torch.zeros(1024)                          # 4 KiB
+        elsewhere = torch.empty(1 << 20, device="meta").copy_(torch.ones(1 << 20))  # no CPU bytes kept
+    assert mode.peak == 1024 * 4 + (1 << 20) * 4 and mode.live == 1024 * 4  # torch.ones: a CPU temporary
+    del on_cpu, elsewhere
     assert mode.live == 0
 
 

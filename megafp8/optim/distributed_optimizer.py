@@ -22,6 +22,7 @@ round-to-nearest would drop every update below half a grid step (a norm gain at 
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import nn
 from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim import fused_adamw, fused_adamw_coded
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
+from megafp8.optim.optimizer_checkpoint import load_optimizer_state_dicts, optimizer_state_dict
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
 from megafp8.optim.storage_layout import Fragment, StorageLayout
 from megafp8.optim.storage_slabs import STEP_SLAB, StorageSlab
@@ -73,8 +75,9 @@ class DistributedOptimizer:
     clip_grad:              --clip-grad; global L2 norm over TP x PP x DP (0 = off)
     master_weight_dtype:    --master-weight-dtype fp32|fp16
     optimizer_state_dtype:  --optimizer-state-dtype fp32|bf16|fp8 (see megafp8.optim.state_codec)
-    chunk_size:             elements decoded at once when writing a guard-switched weight (the step and the FP8
-                            publication take whole slabs)
+    chunk_size:             elements encoded or decoded at once outside the step: initializing the master, writing
+                            a guard-switched weight, copying the master out for a checkpoint (bounds those fp32
+                            temporaries; the step and the FP8 publication take whole slabs)
     rounding_seed:          seeds the fp16 master's stochastic rounding (the same seed resumes bit-exactly)
     fused_step:             the step as Triton kernels, a fixed number of launches per bucket shard, for every preset
                             (megafp8.optim.fused_adamw for fp32 master + fp32 states, megafp8.optim.fused_adamw_coded
@@ -177,34 +180,51 @@ class DistributedOptimizer:
             values = values * self.master_scale[frag.index]
         self.master.encode(s, s + n, values)
 
-    def _agreed_param_amax(self, local: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+    def _agreed_param_amax(self, frag_amax: dict[Fragment, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over DP."""
-        params = list(self.ddp.bucket_of)
+        params, local = list(self.ddp.bucket_of), {f.param: a for f, a in frag_amax.items()}
         amax = torch.stack([local.get(p, torch.zeros((), device=self.master_scale.device)) for p in params])
         C.all_reduce(amax, self.dp, "amax_reduce", op=dist.ReduceOp.MAX)
         return dict(zip(params, amax))
 
     def _init_master(self, given: dict[str, torch.Tensor] | None = None) -> None:
-        values = {}
-        for frag in self.fragments:
+        """Encode each owned fragment's values (``given[name]``, on any device, else the parameter's storage) into the
+        master one chunk at a time: an fp32 copy of the whole shard would be 4 B/param (5 GB at 1B parameters). An
+        fp16 master's per-tensor scales need the amaxes first: a pass of per-chunk amaxes, one MAX over DP, the encode
+        (max is exact: the same scales, and codes, as from whole-fragment values)."""
+        device = self.master_scale.device
+
+        def chunk(frag: Fragment, s: int, n: int) -> torch.Tensor:
+            off = s - frag.storage_lo
             if given is not None and frag.name in given:
-                values[frag] = given[frag.name].float()
-            else:
-                values[frag] = frag.bucket.param_data[frag.bucket_lo:frag.bucket_lo + frag.numel].float()
+                return given[frag.name][off:off + n].to(device)
+            return frag.bucket.param_data[frag.bucket_lo + off:frag.bucket_lo + off + n]
+
         if self.master_weight_dtype == "fp16":
-            amax = self._agreed_param_amax({f.param: v.abs().amax() for f, v in values.items()})
+            # A running max (NaN-propagating like amax): its temporaries are one chunk's whatever the fragment's size.
+            frag_amax = {f: functools.reduce(torch.maximum, (chunk(f, s, n).abs().amax() for _b, s, n, _pl in
+                                                             self._chunks(f))) for f in self.fragments}
+            amax = self._agreed_param_amax({f: a.float() for f, a in frag_amax.items()})
             if self.fragments:
                 self.master_scale.copy_(_pow2_scale(torch.stack([amax[f.param] for f in self.fragments])))
-        for frag, v in values.items():
-            self._encode_master(frag, frag.storage_lo, frag.numel, v)
+        for frag in self.fragments:
+            for _b, s, n, _pl in self._chunks(frag):
+                self._encode_master(frag, s, n, chunk(frag, s, n).float())
 
     @torch.no_grad()
-    def owned_master_weights(self) -> dict[str, tuple[nn.Parameter, int, torch.Tensor]]:
+    def owned_master_weights(self,
+                             device: torch.device | str = "cpu") -> dict[str, tuple[nn.Parameter, int, torch.Tensor]]:
         """``{name: (param, start, fp32 values)}``: the range ``[start, start + n)`` of each parameter's
         flat (TP-local) values this rank owns, decoded from the master weights. What a checkpoint saves
-        for FP8 layers whose high-precision storage was released (--fp8-param-gather)."""
-        return {f.name: (f.param, f.param_lo, self._decode_master(f, f.storage_lo, f.numel).clone())
-                for f in self.fragments}
+        for FP8 layers whose high-precision storage was released (--fp8-param-gather). The values are
+        written on ``device`` (the host by default) one decoded chunk at a time: a save adds no device memory."""
+        owned = {}
+        for frag in self.fragments:
+            values = torch.empty(frag.numel, dtype=torch.float32, device=device)
+            for _b, s, n, _pl in self._chunks(frag):
+                values[s - frag.storage_lo:s - frag.storage_lo + n].copy_(self._decode_master(frag, s, n))
+            owned[frag.name] = (frag.param, frag.param_lo, values)
+        return owned
 
     @torch.no_grad()
     def reload_master_weights(self, owned: dict[str, torch.Tensor] | None = None) -> None:
@@ -429,59 +449,18 @@ class DistributedOptimizer:
         model shard, from the actual tensors."""
         return tensor_bytes(self.ddp.state_tensors() + self.state_tensors()) / self.ddp.num_params()
 
-    # ---- checkpointing --------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This rank's shard, each fragment addressed by parameter name and flat ``[start, end)``: a
-        checkpoint saved at one DP size loads at another by re-slicing (codec groups are 128-aligned
-        in every parameter, so they never straddle shards)."""
-        fragments = {}
-        for frag in self.fragments:
-            entry = {"start": frag.param_lo, "end": frag.param_hi, "numel": frag.param.numel(),
-                     "master_scale": self.master_scale[frag.index].clone()}
-            for prefix, codec in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                for key, t in codec.tensors().items():
-                    entry[f"{prefix}.{key}"] = _slice_storage(t, codec.numel, frag.storage_lo, frag.numel).clone()
-            fragments[frag.name] = entry
-        return {"step": self.step_count, "skipped_steps": self.skipped_steps, "fragments": fragments,
-                "master_weight_dtype": self.master_weight_dtype, "optimizer_state_dtype": self.optimizer_state_dtype}
+    # ---- checkpointing (megafp8.optim.optimizer_checkpoint) ---------------------------------------
+    def state_dict(self, device: torch.device | str = "cpu") -> dict:
+        """This rank's shard, each fragment addressed by parameter name and flat ``[start, end)`` (a checkpoint
+        saved at one DP size loads at another), as copies on ``device``: the host by default, each slice copied
+        straight there, so collecting a checkpoint adds no device memory."""
+        return optimizer_state_dict(self, device)
 
     @torch.no_grad()
     def load_state_dict(self, state_dicts: dict | list[dict]) -> None:
         """Load from the state dicts of every DP rank of the saving run (same TP/PP position), any DP size."""
-        state_dicts = [state_dicts] if isinstance(state_dicts, dict) else list(state_dicts)
-        for sd in state_dicts:
-            if (sd["master_weight_dtype"], sd["optimizer_state_dtype"]) != (self.master_weight_dtype, self.optimizer_state_dtype):
-                raise ValueError(f"optimizer checkpoint has --master-weight-dtype {sd['master_weight_dtype']} and "
-                                 f"--optimizer-state-dtype {sd['optimizer_state_dtype']}; this run uses "
-                                 f"{self.master_weight_dtype} and {self.optimizer_state_dtype}")
-        self.step_count, self.skipped_steps = state_dicts[0]["step"], state_dicts[0]["skipped_steps"]
-        for frag in self.fragments:
-            covered = 0
-            for sd in state_dicts:
-                old = sd["fragments"].get(frag.name)
-                if old is None or old["end"] <= frag.param_lo or old["start"] >= frag.param_hi:
-                    continue
-                lo, hi = max(old["start"], frag.param_lo), min(old["end"], frag.param_hi)
-                covered += hi - lo
-                self.master_scale[frag.index] = old["master_scale"]
-                for prefix, codec in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                    for key, t in codec.tensors().items():
-                        src = _slice_storage(old[f"{prefix}.{key}"], old["end"] - old["start"], lo - old["start"], hi - lo,
-                                             per_group=t.numel() != codec.numel)
-                        _slice_storage(t, codec.numel, frag.storage_lo + lo - frag.param_lo, hi - lo).copy_(src)
-            if covered != frag.numel:
-                raise ValueError(f"optimizer checkpoint covers {covered} of the {frag.numel} elements of {frag.name} "
-                                 f"[{frag.param_lo}, {frag.param_hi}) this rank owns: pass every DP rank's state dict")
+        load_optimizer_state_dicts(self, [state_dicts] if isinstance(state_dicts, dict) else list(state_dicts))
         self._publish()
-
-
-def _slice_storage(t: torch.Tensor, numel: int, start: int, n: int, per_group: bool | None = None) -> torch.Tensor:
-    """Elements ``[start, start + n)`` of a per-element tensor, or their groups of a per-group one."""
-    if per_group is None:
-        per_group = t.numel() != numel
-    if per_group:
-        return t[start // GROUP: -(-(start + n) // GROUP)]
-    return t[start:start + n]
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
