@@ -10,6 +10,9 @@ one batched MAX all-reduce over DP agrees on the current-scaling ones, one gathe
 give the bytes, one foreach copy writes them into the buckets' ``fp8_data``. The layers' ``scale_inv`` are
 views of one flat tensor, rewritten in place each publish. A delayed state that is still cold (the first
 step, or a load of an empty history) is observed one weight at a time: its host-side warm-up needs observe().
+With the optimizer's fused step (``opt.fused_step``) the slabs' decode, scatter and cast run as two Triton launches
+over all FP8 groups instead (megafp8.optim.fused_fp8_publication: group amaxes, then the bytes straight into
+fp8_data); the slabs are this path's torch twin and the CPU storage's path.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megafp8.optim import fused_fp8_publication
 from megafp8.optim.fp8_param_cast import cast_to_fp8, element_groups, group_divisors, num_scale_groups
 from megafp8.optim.state_codec import GROUP
 from megafp8.optim.storage_slabs import STEP_SLAB, cut_into_slabs
@@ -32,6 +36,27 @@ class _Slab:
     groups: torch.Tensor       # storage 128-groups of FP8 fragments, in storage order
     dests: list[torch.Tensor]  # the fp8_data ranges their bytes fill, in the same order
     sizes: list[int]
+
+
+@dataclass
+class _FusedTables:
+    """What the fused publication's launches read, built once: per FP8 storage group (in storage order) its byte
+    destination, and the destination buffers (the buckets' fp8_data) whose addresses the cast reads from a table."""
+
+    groups: torch.Tensor       # int64 storage groups
+    dest_buffer: torch.Tensor  # int64 position in ``buckets`` of each group's bucket
+    dest_offset: torch.Tensor  # int64 first byte of each group in its bucket's fp8_data
+    buckets: list              # whose fp8_data the bytes go to
+    formats: tuple[int, int]   # fused_fp8_publication.format_ids of the publication's dtypes
+    addresses: tuple[tuple[int, ...], torch.Tensor] | None = None  # (data_ptr()s, as a device tensor)
+
+    def buffer_addresses(self, device) -> torch.Tensor:
+        """The fp8_data addresses, a device tensor made again only when a buffer moved (reading data_ptr() costs no
+        tensor op)."""
+        key = tuple(b.fp8_data.data_ptr() for b in self.buckets)
+        if self.addresses is None or self.addresses[0] != key:
+            self.addresses = (key, torch.tensor(key, dtype=torch.int64, device=device))
+        return self.addresses[1]
 
 
 @dataclass
@@ -71,7 +96,9 @@ class Fp8Publication:
                                 p.numel(), self.dtypes.index(info.recipe.dtype("weight"))]
         self.frag_table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.lane = torch.arange(GROUP, device=device)
-        self.slabs = _make_slabs(fp8_frags, device)
+        runs = _contiguous_runs(fp8_frags)
+        self.fused = _fused_tables(runs, self.dtypes, device) if opt.fused_step and runs else None
+        self.slabs = [] if self.fused is not None else _make_slabs(runs, device)
         # The layers' dequantization scales: views of one flat tensor, rewritten in place by every publish.
         self.scale_inv = torch.zeros(self.num_slots, device=device)
         for p, base, n in zip(self.params, bases, sizes):
@@ -92,6 +119,26 @@ class Fp8Publication:
             delayed = torch.stack([quant[j].scale for j in plan.delayed]).view(-1)
             scale.index_copy_(0, plan.delayed_slots, delayed[plan.delayed_owner])
         amax = torch.zeros(self.num_slots + 1, device=device)
+        if self.fused is not None:
+            self._publish_fused(quant, plan, amax, scale)
+        else:
+            self._publish_slabs(quant, plan, amax, scale)
+        torch.div(torch.ones_like(self.scale_inv), scale[:self.num_slots], out=self.scale_inv)  # IEEE 1 / scale
+
+    def _publish_fused(self, quant, plan: _ScalePlan, amax: torch.Tensor, scale: torch.Tensor) -> None:
+        """Two launches over every FP8 group (amax, cast) around the torch steps on the [num_slots] vectors."""
+        opt, fused = self.opt, self.fused
+        tables = (opt.master.values, opt.master_scale, opt._frag_of_group, opt._index_offset, fused.groups,
+                  self.frag_table, self.num_slots)
+        fused_fp8_publication.group_amax_triton(*tables, amax)
+        self._observe(quant, amax)
+        if plan.current:
+            self._current_scales(quant, plan, amax, scale)
+        fused_fp8_publication.cast_triton(*tables, scale, fused.dest_buffer, fused.dest_offset,
+                                          fused.buffer_addresses(scale.device), fused.formats)
+
+    def _publish_slabs(self, quant, plan: _ScalePlan, amax: torch.Tensor, scale: torch.Tensor) -> None:
+        """The fused publication's torch twin: each slab decoded (twice under current scaling), scattered, cast."""
         master_scale = torch.cat([self.opt.master_scale, self.opt.master_scale.new_ones(1)])
         for slab in self.slabs:  # one pass when every scale is known before the cast
             values, slots = self._decode(slab, master_scale)
@@ -104,7 +151,6 @@ class Fp8Publication:
             self._current_scales(quant, plan, amax, scale)
             for slab in self.slabs:
                 self._write(slab, *self._decode(slab, master_scale), scale)
-        torch.div(torch.ones_like(self.scale_inv), scale[:self.num_slots], out=self.scale_inv)  # IEEE 1 / scale
 
     def ddp_infos(self):
         return self.opt.ddp.fp8_params
@@ -230,17 +276,34 @@ def publication_key(fp8_params) -> tuple[int, ...]:
     return tuple(map(id, fp8_params))
 
 
-def _make_slabs(fp8_frags, device) -> list[_Slab]:
-    """Runs of storage groups whose bytes are contiguous in one bucket's fp8_data, cut into slabs."""
-    runs = []  # [first storage group, groups, fp8_data, first byte]
+def _contiguous_runs(fp8_frags) -> list[list]:
+    """[first storage group, groups, bucket, first byte] of each run of storage groups whose bytes are contiguous
+    in one bucket's fp8_data (a fragment's last group is written whole: the bucket pads every parameter to 128)."""
+    runs = []
     for frag in fp8_frags:
         g0, n = frag.storage_lo // GROUP, -(-frag.numel // GROUP)
-        data, pos = frag.bucket.fp8_data, frag.bucket_lo
+        bucket, pos = frag.bucket, frag.bucket_lo
         last = runs[-1] if runs else None
-        if last and last[0] + last[1] == g0 and last[2] is data and last[3] + last[1] * GROUP == pos:
+        if last and last[0] + last[1] == g0 and last[2] is bucket and last[3] + last[1] * GROUP == pos:
             last[1] += n
         else:
-            runs.append([g0, n, data, pos])
+            runs.append([g0, n, bucket, pos])
+    return runs
+
+
+def _fused_tables(runs, dtypes, device) -> _FusedTables:
+    buckets = list({id(bucket): bucket for _g0, _n, bucket, _pos in runs}.values())
+    position = {id(bucket): k for k, bucket in enumerate(buckets)}
+    groups = torch.cat([torch.arange(g0, g0 + n) for g0, n, _bucket, _pos in runs])
+    dest_buffer = torch.cat([torch.full((n,), position[id(bucket)]) for _g0, n, bucket, _pos in runs])
+    dest_offset = torch.cat([torch.arange(pos, pos + n * GROUP, GROUP) for _g0, n, _bucket, pos in runs])
+    return _FusedTables(groups.to(device), dest_buffer.to(device), dest_offset.to(device), buckets,
+                        fused_fp8_publication.format_ids(dtypes))
+
+
+def _make_slabs(runs, device) -> list[_Slab]:
+    """The runs cut into slabs of up to SLAB_GROUPS groups."""
+    runs = [(g0, n, bucket.fp8_data, pos) for g0, n, bucket, pos in runs]
     slabs = []
     for pieces in cut_into_slabs([n for _g0, n, _data, _pos in runs], SLAB_GROUPS):
         groups = [torch.arange(runs[r][0] + offset, runs[r][0] + offset + n) for r, offset, n in pieces]
