@@ -3,8 +3,10 @@
 Imported as `megafp8_kernels` (the folder is kernels/). A Python started at the repository root (or a tool that
 puts the checkout on sys.path) also finds this folder under the bare name `kernels`, which is PyPI's package
 (transformers imports it): imported under that name, this file hands the name over to the installed one.
-Knows nothing of models or process groups. quantize and fp8_gemm are torch custom ops (megafp8::*)
-with fake implementations, so torch.compile traces through them.
+Knows nothing of models or process groups. formats.py declares what an operand is (ElementFormat, ScaleLayout);
+Granularity names today's four layouts, and fp8_gemm runs the scale mode its caller's layouts declare.
+quantize and fp8_gemm are torch custom ops (megafp8::*) with fake implementations, so torch.compile traces
+through them.
 The Triton quantizer lives in quantize_triton.py, not quantize.py: importing a submodule named
 `quantize` would replace this package's `quantize` function with the module.
 """
@@ -28,6 +30,7 @@ if __name__ == "kernels":
         _sys.path[:] = _search_path
 else:
     from .dispatch import BACKENDS, GEMM_BACKENDS, fp8_gemm, quantize, resolve_backend, resolve_gemm_backend
+    from .formats import ElementFormat, ScaleFormat, ScaleLayout, element_format, scale_layout
     from .gemm_reference import dequantize
     from .norm_quantize import rmsnorm_quantize, swiglu_quantize
     from .norm_quantize_reference import (
@@ -41,9 +44,10 @@ else:
     from .scaling import BLOCK, E4M3, E5M2, Fp8Format, Fp8Quantized, GemmScaleMode, Granularity, empty_scales, fp8_format, scale_shape
 
     __all__ = [
-        "BACKENDS", "BLOCK", "DEFAULT_SCALED_MM_MODES", "E4M3", "E5M2", "Fp8Format", "Fp8Quantized", "GEMM_BACKENDS",
-        "GemmScaleMode", "Granularity", "SCALED_MM_ENV_VAR", "dequantize", "empty_scales", "expand_scale", "fp8_format",
-        "fp8_gemm", "quantize", "resolve_backend", "resolve_gemm_backend", "rms_norm_backward_reference",
-        "rms_norm_forward_reference", "rms_norm_reference", "rmsnorm_quantize",
-        "scale_from_amax", "scale_shape", "scaled_mm_modes", "swiglu_quantize", "swiglu_reference",
+        "BACKENDS", "BLOCK", "DEFAULT_SCALED_MM_MODES", "E4M3", "E5M2", "ElementFormat", "Fp8Format", "Fp8Quantized",
+        "GEMM_BACKENDS", "GemmScaleMode", "Granularity", "SCALED_MM_ENV_VAR", "ScaleFormat", "ScaleLayout", "dequantize",
+        "element_format", "empty_scales", "expand_scale", "fp8_format", "fp8_gemm", "quantize", "resolve_backend",
+        "resolve_gemm_backend", "rms_norm_backward_reference", "rms_norm_forward_reference", "rms_norm_reference",
+        "rmsnorm_quantize", "scale_from_amax", "scale_layout", "scale_shape", "scaled_mm_modes", "swiglu_quantize",
+        "swiglu_reference",
     ]

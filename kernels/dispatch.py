@@ -6,6 +6,8 @@ the environment variable MEGAFP8_KERNEL_BACKEND (auto | triton | reference); tes
 together with TRITON_INTERPRET=1 to run the real kernels in the interpreter. fp8_gemm also takes
 backend="scaled_mm" (torch._scaled_mm), which the auto backend picks on CUDA for the scale modes in
 MEGAFP8_SCALED_MM_MODES (see scaled_mm.py). The choice is made when the op runs, not when it is traced.
+The GEMM's scale mode comes from the operands' layouts the caller declares (`layouts=`), not from the scale
+shapes, which cannot tell a 1x128 x 1x128 GEMM with K <= 128 from a rowwise one; undeclared calls are guessed.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from .gemm_reference import fp8_gemm_reference
 from .quantize_reference import quantize_reference
+from .formats import ScaleLayout, scale_layout
 from .scaled_mm import fp8_gemm_scaled_mm, scaled_mm_modes, scaled_mm_supports
 from .scaling import (
     Fp8Quantized,
@@ -125,13 +128,20 @@ def _check_fast_accum(mode: GemmScaleMode, fast_accum: bool) -> None:
         raise ValueError(f"fast_accum=True is for tensorwise/rowwise GEMMs (fprop); {mode.value} promotes every 128 of K")
 
 
-def _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, backend, fast_accum=False) -> torch.Tensor:
-    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
+def _declared(layout_a: str, layout_b: str) -> tuple[str, str] | None:
+    """The custom ops carry layouts as names; "" means the caller declared none."""
+    return (layout_a, layout_b) if layout_a or layout_b else None
+
+
+def _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, backend, fast_accum=False,
+              layouts=None) -> torch.Tensor:
+    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, layouts)
     _check_fast_accum(mode, fast_accum)
+    layouts = mode.operand_layouts  # the twins check the scales against the mode found here, not a new guess
     choice = resolve_gemm_backend(mode, a, b, out_dtype, bias, accumulate, backend or None)
     if choice == "scaled_mm":
         return fp8_gemm_scaled_mm(a, b, scale_a, scale_b, mode, out_dtype, out, fast_accum=fast_accum)
-    kwargs = dict(out_dtype=out_dtype, bias=bias, out=out, accumulate=accumulate)
+    kwargs = dict(out_dtype=out_dtype, bias=bias, out=out, accumulate=accumulate, layouts=layouts)
     if choice == "triton":
         from .gemm import fp8_gemm_triton
 
@@ -141,26 +151,29 @@ def _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, backend,
 
 @torch.library.custom_op("megafp8::fp8_gemm", mutates_args=())
 def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                 out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str, fast_accum: bool = False
-                 ) -> torch.Tensor:
-    return _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, None, False, backend, fast_accum)
+                 out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str, fast_accum: bool = False,
+                 layout_a: str = "", layout_b: str = "") -> torch.Tensor:
+    return _run_gemm(a, b, scale_a, scale_b, out_dtype, bias, None, False, backend, fast_accum,
+                     _declared(layout_a, layout_b))
 
 
 @_fp8_gemm_op.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, bias, backend, fast_accum=False):
-    _check_fast_accum(check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, None, False), fast_accum)
+def _(a, b, scale_a, scale_b, out_dtype, bias, backend, fast_accum=False, layout_a="", layout_b=""):
+    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, None, False, _declared(layout_a, layout_b))
+    _check_fast_accum(mode, fast_accum)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("megafp8::fp8_gemm_into", mutates_args=("out",))
 def _fp8_gemm_into_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                      bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool, backend: str) -> None:
-    _run_gemm(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate, backend)
+                      bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool, backend: str,
+                      layout_a: str = "", layout_b: str = "") -> None:
+    _run_gemm(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate, backend, layouts=_declared(layout_a, layout_b))
 
 
 @_fp8_gemm_into_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out, accumulate, backend):
-    check_gemm_args(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate)
+def _(a, b, scale_a, scale_b, bias, out, accumulate, backend, layout_a="", layout_b=""):
+    check_gemm_args(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate, _declared(layout_a, layout_b))
 
 
 def fp8_gemm(
@@ -175,20 +188,25 @@ def fp8_gemm(
     accumulate: bool = False,
     backend: str | None = None,
     fast_accum: bool = False,
+    layouts: tuple[str | Granularity | ScaleLayout, str | Granularity | ScaleLayout] | None = None,
 ) -> torch.Tensor:
     """C = (A * scale_a) @ (B * scale_b).T [+ bias] [+ C] with fp32 accumulation (see gemm_reference).
+    `layouts` declares the (A, B) scale layouts (ScaleLayouts or Granularity values), which pick the kernel's
+    scale mode; without it the mode is guessed from the scale shapes (scaling.guess_gemm_mode).
     `fast_accum=True` (tensorwise/rowwise, no `out`; meant for fprop as TransformerEngine does) lets the
     tensor core accumulate over all of K on CUDA (Triton: one wgmma group in flight); the CPU twin is exact."""
     if backend is not None and backend not in GEMM_BACKENDS:
         raise ValueError(f"backend={backend!r} is not a GEMM backend: choose one of {', '.join(GEMM_BACKENDS)}")
+    layout_a, layout_b = (scale_layout(layouts[0]).name, scale_layout(layouts[1]).name) if layouts else ("", "")
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs `out`, the buffer to accumulate into")
-        return torch.ops.megafp8.fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, backend or "", fast_accum)
+        return torch.ops.megafp8.fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, backend or "", fast_accum,
+                                          layout_a, layout_b)
     if fast_accum:
         raise ValueError("fast_accum=True is for fprop GEMMs returning a new tensor; `out`/accumulate keep fp32 promotion")
     if out.dtype != out_dtype:
         raise ValueError(f"out must be a {out_dtype} tensor, got {out.dtype}")
-    torch.ops.megafp8.fp8_gemm_into(a, b, scale_a, scale_b, bias, out, accumulate, backend or "")
+    torch.ops.megafp8.fp8_gemm_into(a, b, scale_a, scale_b, bias, out, accumulate, backend or "", layout_a, layout_b)
     return out
 

@@ -1,7 +1,7 @@
 """Triton FP8 GEMM: C = (A * scale_a) @ (B * scale_b).T with fp32 accumulation.
 
 Twin: gemm_reference.py. A (M, K) and B (N, K) are both K-major, the layout Hopper's FP8 tensor-core
-instructions want. Scale modes (scaling.GemmScaleMode):
+instructions want. Scale modes (scaling.GemmScaleMode, from the caller's declared layouts):
   tensorwise / rowwise  acc = sum over 128-wide K steps of A.B (each step promoted to fp32), then
                         acc * sa[m] * sb[n] in the epilogue;
   blockwise             each 128-wide K step's partial product is scaled by its own sa[m, k] * sb[n(/128), k]
@@ -30,6 +30,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .formats import ScaleLayout
 from .quantize_triton import _interpreting
 from .scaling import BLOCK, GemmScaleMode, check_gemm_args
 
@@ -226,13 +227,14 @@ def fp8_gemm_triton(
     fast_accum: bool = False,
     config: triton.Config | None = None,
     precise_kernel: str | None = None,
+    layouts: tuple[ScaleLayout | str, ScaleLayout | str] | None = None,
 ):
     """Triton twin of `fp8_gemm_reference` (same arguments). `fast_accum` (tensorwise/rowwise only, meant for
     fprop) accumulates over all of K in the tensor core instead of promoting every 128. `config` forces one
     launch config and then returns (out, Triton's compiled kernel) so tools can read its resources.
     `precise_kernel` ("triton" or "gluon"; default from MEGAFP8_GEMM_PRECISE_KERNEL) picks the Hopper kernel
-    of the precise path."""
-    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
+    of the precise path. `layouts`: the declared (A, B) scale layouts, as for the twin."""
+    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, layouts)
     if fast_accum and mode not in (GemmScaleMode.TENSORWISE, GemmScaleMode.ROWWISE):
         raise ValueError(f"fast_accum=True is for tensorwise/rowwise GEMMs; {mode.value} promotes every 128 of K")
     (M, K), N = a.shape, b.shape[0]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .formats import ScaleLayout
 from .quantize_reference import expand_scale
 from .scaling import check_gemm_args
 
@@ -23,13 +24,15 @@ def fp8_gemm_reference(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    layouts: tuple[ScaleLayout | str, ScaleLayout | str] | None = None,
 ) -> torch.Tensor:
     """C (M, N) = (A * scale_a) @ (B * scale_b).T [+ bias] [+ out if accumulate], accumulated in fp32.
 
-    A (M, K) and B (N, K) are FP8 and K-major; scale_a/scale_b are dequantization scales whose shapes
-    pick the mode (see scaling.GemmScaleMode). With `out` the result is written there and returned.
+    A (M, K) and B (N, K) are FP8 and K-major; scale_a/scale_b are dequantization scales in the declared (A, B)
+    `layouts`, which pick the mode (see scaling.GemmScaleMode; undeclared: guessed from the scale shapes).
+    With `out` the result is written there and returned.
     """
-    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate)
+    mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, out, accumulate, layouts)
     gran_a, gran_b = mode.operand_granularities
     c = dequantize(a, scale_a, gran_a) @ dequantize(b, scale_b, gran_b).t()
     if bias is not None:

@@ -1,57 +1,43 @@
-"""FP8 formats, scaling granularities and the scale-shape contract shared by the Triton kernels and their twins."""
+"""FP8 scaling granularities (the user-facing names of formats.py's scale layouts), the quantizer's result, and the
+argument checks of quantize and the GEMM, whose scale mode the caller declares."""
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-BLOCK = 128  # DeepSeek-V3 tile edge: 1x128 groups for activations/gradients, 128x128 for weights
+from .formats import (  # noqa: F401 - BLOCK, E4M3, E5M2 are re-exported: their importers predate formats.py
+    BLOCK,
+    BLOCK_1X128,
+    BLOCK_128X128,
+    E4M3,
+    E5M2,
+    ELEMENT_FORMATS,
+    PER_ROW,
+    PER_TENSOR,
+    ElementFormat,
+    ScaleLayout,
+    element_format,
+    scale_layout,
+)
+
 FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-@dataclass(frozen=True)
-class Fp8Format:
-    """What the rounding code needs to know about one FP8 encoding."""
-
-    dtype: torch.dtype
-    max: float  # largest finite value; casts saturate here
-    mantissa_bits: int
-    min_normal_exponent: int  # below it values are subnormal (quantum 2**(emin - mantissa_bits))
-
-    @property
-    def saturation_threshold(self) -> float:
-        """The scaled magnitude above which a value is clipped rather than rounded: FP8_MAX plus half an ulp
-        at FP8_MAX (E4M3: 464, E5M2: 61440). Anything up to it rounds to a representable value honestly."""
-        top_exponent = math.frexp(self.max)[1] - 1
-        return self.max + 0.5 * 2.0 ** (top_exponent - self.mantissa_bits)
-
-    @property
-    def flush_threshold(self) -> float:
-        """Half the smallest subnormal: a scaled magnitude up to it rounds (to nearest even) to +-0."""
-        return 0.5 * 2.0 ** (self.min_normal_exponent - self.mantissa_bits)
-
-
-E4M3 = Fp8Format(torch.float8_e4m3fn, 448.0, 3, -6)
-E5M2 = Fp8Format(torch.float8_e5m2, 57344.0, 2, -14)
-_FORMATS = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
-
-
-def fp8_format(dtype: torch.dtype) -> Fp8Format:
-    if dtype not in _FORMATS:
-        raise ValueError(f"unsupported FP8 dtype {dtype}: use torch.float8_e4m3fn (E4M3) or torch.float8_e5m2 (E5M2)")
-    return _FORMATS[dtype]
+Fp8Format = ElementFormat  # the old names, kept for callers
+fp8_format = element_format
 
 
 class Granularity(str, enum.Enum):
-    """How many elements share one scale. Scales always run along the K-major (last) dimension."""
+    """How many elements share one scale: the user-facing name of a ScaleLayout (Granularity.layout)."""
 
     TENSORWISE = "tensorwise"  # one scale
     ROWWISE = "rowwise"  # one scale per row
     BLOCK_1X128 = "block_1x128"  # one scale per row per 128 columns (activations, gradients)
     BLOCK_128X128 = "block_128x128"  # one scale per 128x128 tile (weights)
+
+    @property
+    def layout(self) -> ScaleLayout:
+        return scale_layout(self.value)
 
 
 def granularity(value: str | Granularity) -> Granularity:
@@ -64,14 +50,7 @@ def granularity(value: str | Granularity) -> Granularity:
 
 def scale_shape(rows: int, cols: int, gran: Granularity) -> tuple[int, ...]:
     """Shape of the scale tensor for a (rows, cols) operand; cols is the GEMM's K dimension."""
-    if gran is Granularity.TENSORWISE:
-        return ()
-    if gran is Granularity.ROWWISE:
-        return (rows, 1)
-    # -(-n // BLOCK) is ceil(n / BLOCK) in integers, which also holds for symbolic sizes under torch.compile.
-    if gran is Granularity.BLOCK_1X128:
-        return (rows, -(-cols // BLOCK))
-    return (-(-rows // BLOCK), -(-cols // BLOCK))
+    return scale_layout(gran).scale_shape(rows, cols)
 
 
 def scale_is_k_block_major(gran: Granularity) -> bool:
@@ -81,7 +60,7 @@ def scale_is_k_block_major(gran: Granularity) -> bool:
     element per row (DeepGEMM and torch._scaled_mm's blockwise path want this "column-major" layout
     too). Indexing is unchanged: `scale_inv[m, k]` is still row m's k-th group; only strides differ.
     """
-    return gran is Granularity.BLOCK_1X128
+    return scale_layout(gran).k_block_major
 
 
 def empty_scales(rows: int, cols: int, gran: Granularity, device: torch.device | str | None = None) -> torch.Tensor:
@@ -136,7 +115,7 @@ def check_quantize_args(
         raise ValueError(f"quantize expects a 2-D (rows, K) tensor, got shape {tuple(x.shape)}; flatten leading dims first")
     if x.numel() == 0:
         raise ValueError(f"quantize got an empty tensor of shape {tuple(x.shape)}")
-    if not x.dtype.is_floating_point or x.dtype in _FORMATS:
+    if not x.dtype.is_floating_point or x.dtype in ELEMENT_FORMATS:
         raise ValueError(f"quantize expects a float32/bfloat16/float16 input, got {x.dtype}")
     if scale is not None:
         if gran is not Granularity.TENSORWISE:
@@ -147,7 +126,8 @@ def check_quantize_args(
 
 
 class GemmScaleMode(str, enum.Enum):
-    """The scale layouts an FP8 GEMM accepts, as (A groups, B groups). Inferred from the scale shapes."""
+    """The scale layouts an FP8 GEMM accepts, as (A layout, B layout). The caller declares them (fp8_gemm's
+    `layouts`); a call that does not is matched against the scale shapes, which cannot tell every pair apart."""
 
     TENSORWISE = "tensorwise"  # one scale each
     ROWWISE = "rowwise"  # scale_a (M, 1), scale_b (N, 1): applied in the epilogue
@@ -155,13 +135,44 @@ class GemmScaleMode(str, enum.Enum):
     BLOCKWISE_1X128 = "blockwise_1x128"  # A 1x128, B 1x128 (wgrad)
 
     @property
+    def operand_layouts(self) -> tuple[ScaleLayout, ScaleLayout]:
+        return _MODE_LAYOUTS[self]
+
+    @property
     def operand_granularities(self) -> tuple[Granularity, Granularity]:
-        return {
-            GemmScaleMode.TENSORWISE: (Granularity.TENSORWISE, Granularity.TENSORWISE),
-            GemmScaleMode.ROWWISE: (Granularity.ROWWISE, Granularity.ROWWISE),
-            GemmScaleMode.BLOCKWISE: (Granularity.BLOCK_1X128, Granularity.BLOCK_128X128),
-            GemmScaleMode.BLOCKWISE_1X128: (Granularity.BLOCK_1X128, Granularity.BLOCK_1X128),
-        }[self]
+        return tuple(Granularity(layout.name) for layout in self.operand_layouts)
+
+    @classmethod
+    def declared(cls, layout_a: str | ScaleLayout, layout_b: str | ScaleLayout) -> GemmScaleMode:
+        """The mode of a GEMM whose operands are declared with these layouts (or Granularity names)."""
+        pair = (scale_layout(layout_a), scale_layout(layout_b))
+        for mode, layouts in _MODE_LAYOUTS.items():
+            if layouts == pair:
+                return mode
+        supported = "; ".join(f"{a.name} x {b.name}" for a, b in _MODE_LAYOUTS.values())
+        raise ValueError(f"no FP8 GEMM for scale layouts {pair[0].name} x {pair[1].name}: supported are {supported}")
+
+
+_MODE_LAYOUTS = {
+    GemmScaleMode.TENSORWISE: (PER_TENSOR, PER_TENSOR),
+    GemmScaleMode.ROWWISE: (PER_ROW, PER_ROW),
+    GemmScaleMode.BLOCKWISE: (BLOCK_1X128, BLOCK_128X128),
+    GemmScaleMode.BLOCKWISE_1X128: (BLOCK_1X128, BLOCK_1X128),
+}
+
+
+def _scale_fits(scale: torch.Tensor, want: tuple[int, ...]) -> bool:
+    # Scales of one element count as tensorwise whatever their shape ((), (1,), (1, 1)).
+    return scale.numel() == 1 if not want else tuple(scale.shape) == want
+
+
+def guess_gemm_mode(M: int, N: int, K: int, scale_a: torch.Tensor, scale_b: torch.Tensor) -> GemmScaleMode | None:
+    """The first mode whose scale shapes fit, for callers that do not declare their layouts. Ambiguous where
+    shapes coincide: a 1x128 x 1x128 GEMM with K <= 128 has (M, 1) x (N, 1) scales and is taken for rowwise."""
+    for mode, (layout_a, layout_b) in _MODE_LAYOUTS.items():
+        if _scale_fits(scale_a, layout_a.scale_shape(M, K)) and _scale_fits(scale_b, layout_b.scale_shape(N, K)):
+            return mode
+    return None
 
 
 _GEMM_DTYPES = {
@@ -181,8 +192,10 @@ def check_gemm_args(
     bias: torch.Tensor | None,
     out: torch.Tensor | None,
     accumulate: bool,
+    layouts: tuple[str | ScaleLayout, str | ScaleLayout] | None = None,
 ) -> GemmScaleMode:
-    """Validate an FP8 GEMM call C = (A * scale_a) @ (B * scale_b).T and return its scale mode."""
+    """Validate an FP8 GEMM call C = (A * scale_a) @ (B * scale_b).T and return its scale mode: the one the
+    declared (A, B) `layouts` (ScaleLayouts or Granularity names) name, else the guess from the scale shapes."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_gemm wants A (M, K) and B (N, K) with the same K, got {tuple(a.shape)} and {tuple(b.shape)}")
     if (a.dtype, b.dtype) not in _GEMM_DTYPES:
@@ -201,16 +214,19 @@ def check_gemm_args(
         raise ValueError("accumulate=True needs `out`, the buffer to accumulate into")
     if out is not None and (out.shape != (M, N) or out.dtype != out_dtype):
         raise ValueError(f"out must be a ({M}, {N}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    for mode in GemmScaleMode:
-        gran_a, gran_b = mode.operand_granularities
-        want_a, want_b = scale_shape(M, K, gran_a), scale_shape(N, K, gran_b)
-        # Scales of one element count as tensorwise whatever their shape ((), (1,), (1, 1)).
-        fits_a = scale_a.numel() == 1 if not want_a else tuple(scale_a.shape) == want_a
-        fits_b = scale_b.numel() == 1 if not want_b else tuple(scale_b.shape) == want_b
-        if fits_a and fits_b:
+    if layouts is None:
+        mode = guess_gemm_mode(M, N, K, scale_a, scale_b)
+        if mode is not None:
             return mode
-    raise ValueError(
-        f"unsupported scale shapes {tuple(scale_a.shape)} x {tuple(scale_b.shape)} for A {tuple(a.shape)}, "
-        f"B {tuple(b.shape)}: supported are tensorwise (1 x 1), rowwise ((M, 1) x (N, 1)), blockwise "
-        "((M, K/128) x (N/128, K/128)) and blockwise 1x128 ((M, K/128) x (N, K/128))"
-    )
+        raise ValueError(
+            f"unsupported scale shapes {tuple(scale_a.shape)} x {tuple(scale_b.shape)} for A {tuple(a.shape)}, "
+            f"B {tuple(b.shape)}: supported are tensorwise (1 x 1), rowwise ((M, 1) x (N, 1)), blockwise "
+            "((M, K/128) x (N/128, K/128)) and blockwise 1x128 ((M, K/128) x (N, K/128))"
+        )
+    mode = GemmScaleMode.declared(*layouts)
+    layout_a, layout_b = mode.operand_layouts
+    for name, scale, layout, rows in (("scale_a", scale_a, layout_a, M), ("scale_b", scale_b, layout_b, N)):
+        if not _scale_fits(scale, layout.scale_shape(rows, K)):
+            raise ValueError(f"{name} of shape {tuple(scale.shape)} is not a {layout.name} scale of a ({rows}, {K}) "
+                             f"operand: expected {layout.scale_shape(rows, K) or 'one element'}")
+    return mode

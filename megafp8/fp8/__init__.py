@@ -1,4 +1,4 @@
-"""FP8 numerics: recipes, Float8 tensors, scaling state, the FP8 linear layer, Smooth-SwiGLU and telemetry."""
+"""Low-precision numerics (FP8 today; MX and FP4 next): recipes, scaled tensors, the FP8 linear, scaling state, telemetry and the guard."""
 from .autocast import fp8_autocast, fp8_enabled
 from .linear import Fp8GemmModule, Fp8Linear, WeightQuantization, invalidate_fp8_weight_caches
 from .linear_function import SequenceParallelComm, add_bias, fp8_linear

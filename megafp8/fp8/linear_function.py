@@ -300,26 +300,26 @@ def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
 
 
 def _wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
-           column_scale: torch.Tensor | None) -> torch.Tensor | None:
+           column_scale: torch.Tensor | None, layouts: tuple[Granularity, Granularity]) -> torch.Tensor | None:
     main_grad = getattr(weight, "main_grad", None)
     if (main_grad is not None and main_grad.dtype == torch.float32 and column_scale is None
             and main_grad.is_contiguous()):
-        fp8_gemm_operands(dy_t, x_t, torch.float32, out=main_grad)  # accumulate inside the GEMM: no temporary
+        fp8_gemm_operands(dy_t, x_t, torch.float32, layouts, out=main_grad)  # accumulate inside the GEMM
         return None
-    grad = fp8_gemm_operands(dy_t, x_t, torch.float32)
+    grad = fp8_gemm_operands(dy_t, x_t, torch.float32, layouts)
     if column_scale is not None:
         grad.mul_(column_scale)  # Smooth-SwiGLU: d(W/s)/dW = 1/s per column, exact for powers of two
     return route_grad(weight, grad)
 
 
 def _deferred_wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, torch.Tensor],
-                    weight: torch.Tensor, args: Fp8LinearArgs):
+                    weight: torch.Tensor, args: Fp8LinearArgs, layouts: tuple[Granularity, Granularity]):
     """The wgrad B queued for the W pass: the same GEMM on the same FP8 operands, run later."""
     def run() -> torch.Tensor | None:
         data_t, scale_t = x_t
         if args.sp_input is not None:  # this rank's x^T columns: gathered over TP now, in W
             data_t = args.sp_input.gather_cols_async(data_t).wait()
-        return _wgrad(dy_t, (data_t, scale_t), weight, args.wgrad_column_scale)
+        return _wgrad(dy_t, (data_t, scale_t), weight, args.wgrad_column_scale, layouts)
     return run
 
 
@@ -353,8 +353,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_fp8 = quantize_operand(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer,
                                      observe=args.observe)
             x_t = x_fp8.col_major() if needs_wgrad else None
-        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x_dtype, bias,
-                              fast_accum=recipe.fast_accum("fprop"))
+        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x_dtype,
+                              (x_fp8.granularity, weight_fp8.granularity), bias, fast_accum=recipe.fast_accum("fprop"))
         if args.sp_output is not None:
             y = args.sp_output.reduce_scatter_rows_async(y).wait()  # partial sums -> this rank's sequence shard
 
@@ -363,7 +363,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             deferral.expect(weight)  # a zero-bubble stage's W pass delivers this gradient (deferred_wgrad.py)
         # The leaf itself: a recomputed forward's saved copy of it (torch.utils.checkpoint) is another object.
         ctx.args, ctx.weight_fp8, ctx.weight_param = args, weight_fp8, weight  # the module owns the FP8 weight
-        ctx.x_dtype, ctx.x_shape = x_dtype, x_shape
+        ctx.x_dtype, ctx.x_shape, ctx.x_granularity = x_dtype, x_shape, x_fp8.granularity
         # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
         ctx.save_for_backward(*(x_t or (None, None)), weight, bias,
                               *((raw, *prologue_params, *extras) if prologue else ()))
@@ -395,7 +395,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # ---- dgrad: dX = dY @ W, reduced over TP (SP: reduce-scatter, else all-reduce) in the background ----
         dgrad_pending = None
         if needs_dgrad:
-            grad_input = fp8_gemm_operands(dy_fp8.row_major(), ctx.weight_fp8.col_major(), ctx.x_dtype)
+            grad_input = fp8_gemm_operands(dy_fp8.row_major(), ctx.weight_fp8.col_major(), ctx.x_dtype,
+                                           (dy_fp8.granularity, ctx.weight_fp8.granularity))
             if args.sp_input is not None:
                 dgrad_pending = args.sp_input.reduce_scatter_rows_async(grad_input)
             elif args.tp_input is not None:
@@ -405,13 +406,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         # ---- wgrad: dW = dY^T @ x, while dgrad's reduction is in flight ----
         grad_weight = None
+        wgrad_layouts = (dy_fp8.granularity, ctx.x_granularity)
         if defer:
-            deferral.push(ctx.weight_param, _deferred_wgrad(dy_fp8.col_major(), (x_t, x_scale_t), ctx.weight_param, args),
+            deferral.push(ctx.weight_param,
+                          _deferred_wgrad(dy_fp8.col_major(), (x_t, x_scale_t), ctx.weight_param, args, wgrad_layouts),
                           (*dy_fp8.col_major(), x_t, x_scale_t))
         elif needs_wgrad:
             if x_t_pending is not None:
                 x_t = x_t_pending.wait()
-            grad_weight = _wgrad(dy_fp8.col_major(), (x_t, x_scale_t), weight, args.wgrad_column_scale)
+            grad_weight = _wgrad(dy_fp8.col_major(), (x_t, x_scale_t), weight, args.wgrad_column_scale, wgrad_layouts)
 
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
@@ -446,12 +449,14 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
-                      out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
-    """fp8_gemm on (data, scale_inv) pairs; with `out` the product is accumulated into it. `fast_accum` is the
+                      out_dtype: torch.dtype, layouts: tuple[Granularity, Granularity],
+                      bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      fast_accum: bool = False) -> torch.Tensor:
+    """fp8_gemm on (data, scale_inv) pairs whose scale layouts are `layouts` (declared, so the GEMM's mode is
+    never guessed from the scale shapes); with `out` the product is accumulated into it. `fast_accum` is the
     recipe's choice for fprop (Fp8Recipe.fast_accum); dgrad and wgrad keep fp32 promotion."""
     return fp8_gemm(a[0], b[0], a[1], b[1], out_dtype=out_dtype, bias=bias, out=out, accumulate=out is not None,
-                    fast_accum=fast_accum)
+                    fast_accum=fast_accum, layouts=layouts)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_fp8: Float8Tensor,

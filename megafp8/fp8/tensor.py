@@ -1,16 +1,15 @@
-"""Float8Tensor: an FP8 payload with its scales and layouts, and its uint8 wire form for collectives.
+"""Float8Tensor: an FP8 payload with its scales and layouts (the collectives move its parts as uint8 views).
 
 A plain container, not a torch.Tensor subclass: it only travels between the quantizer, the GEMMs and
 the collectives, never through arbitrary torch ops, so a subclass would add dispatch rules and no value.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from megafp8_kernels import Fp8Quantized, Granularity, dequantize, fp8_format, quantize, scale_shape
+from megafp8_kernels import Fp8Quantized, Granularity, dequantize, quantize
 
 
 @dataclass
@@ -63,29 +62,3 @@ class Float8Tensor:
         if self.data is not None:
             return dequantize(self.data, self.scale_inv, self.granularity).to(dtype)
         return dequantize(self.data_t, self.scale_inv_t, self.granularity).t().to(dtype)
-
-    # ---- wire form: one flat uint8 buffer of the row-major payload followed by its fp32 scales ----
-    def to_wire(self) -> torch.Tensor:
-        """The row-major copy as one contiguous uint8 buffer (gloo and some NCCL builds reject float8)."""
-        data, scale_inv = self.row_major()
-        return torch.cat([data.reshape(-1).view(torch.uint8), scale_inv.reshape(-1).contiguous().view(torch.uint8)])
-
-    @staticmethod
-    def wire_nbytes(shape: tuple[int, int], granularity: Granularity) -> int:
-        rows, cols = shape
-        return rows * cols + 4 * math.prod(scale_shape(rows, cols, granularity))
-
-    @classmethod
-    def from_wire(cls, buffer: torch.Tensor, shape: tuple[int, int], fp8_dtype: torch.dtype,
-                  granularity: Granularity) -> Float8Tensor:
-        """Inverse of to_wire; checks the size so a mismatched peer fails loudly, not with garbage."""
-        fp8_format(fp8_dtype)
-        rows, cols = shape
-        expected = cls.wire_nbytes(shape, granularity)
-        if buffer.dtype != torch.uint8 or buffer.numel() != expected:
-            raise ValueError(f"FP8 wire buffer of {buffer.numel()} {buffer.dtype} elements does not hold a "
-                             f"{shape} {granularity.value} tensor ({expected} bytes expected)")
-        data = buffer[: rows * cols].view(fp8_dtype).view(rows, cols)
-        scale_inv = buffer[rows * cols:].clone().view(torch.float32).view(scale_shape(rows, cols, granularity))
-        return cls(shape, fp8_dtype, granularity, data, scale_inv)
-

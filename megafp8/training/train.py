@@ -2,10 +2,11 @@
 LR schedule, evaluation, logging, checkpoints and the exit conditions, on one rank of a 3D layout.
 
 Order of one iteration (every rank):
-    zero the grad buffer -> forward/backward of each micro-batch -> finish the DP grad reduction ->
-    optimizer step at lr(consumed samples), the embedding and output layer at --decoupled-lr's schedule (skipped
-    on every rank if any grad is non-finite) ->
-    FP8 delayed-scaling update (one amax collective) -> saturation guard -> log / evaluate / save / exit.
+    zero the grad buffer -> Pipeline.step: forward/backward of each micro-batch, the SP/tied-embedding grad
+    all-reduces, then the FP8 delayed-scaling update (one amax collective; it runs even when the optimizer step
+    is then skipped) -> optimizer step, which first finishes the DP grad reduction, at lr(consumed samples), the
+    embedding and output layer at --decoupled-lr's schedule (skipped on every rank if any grad is non-finite) ->
+    saturation guard -> log / evaluate / save / exit.
 
 An iteration that does not log asks the device nothing: the loss, the grad norm and the skipped/NaN counts
 stay device tensors, read on log iterations (and before a save) by one copy of a packed tensor. The FP8
