@@ -274,3 +274,13 @@ def test_fused_step_cost_at_26m_parameters(monkeypatch, preset):
     large = fused_step_cost(1024, monkeypatch, preset=preset)
     assert small[3] < 2_500_000 and large[3] > 26_000_000
     assert small[:3] == large[:3], (small, large)
+
+
+@interpreted
+@pytest.mark.slow
+def test_fused_step_cost_above_100m_parameters(monkeypatch):
+    """2.2M vs ~101M parameters on one rank (the twin: 1 vs ~25 slabs): the same ops and launches on the fused path."""
+    small = fused_step_cost(256, monkeypatch)
+    large = fused_step_cost(2048, monkeypatch)
+    assert large[3] > 100_000_000
+    assert small[:3] == large[:3], (small, large)
