@@ -27,7 +27,7 @@ from .quantize_triton import (
     _nan_max,
     _reciprocal,
     _scale_from_amax,
-    _to_fp8_bits,
+    to_fp8_bits,
     quantize_triton,
     triton_fp8_dtype,
 )
@@ -76,7 +76,7 @@ def _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, n_k_tiles, 
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_inv_ptr, _reciprocal(scale))
         scaled = y * scale
-    q = _to_fp8_bits(scaled, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+    q = to_fp8_bits(scaled, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
     tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
     if STATS:  # y is 0 outside the mask: never saturated, never a flushed nonzero
         # A 1x128 group's own amax maps to FP8_MAX: it cannot saturate (and the count costs registers, spills).
@@ -87,7 +87,7 @@ def _cast_and_store(y, offs_m, offs_k, row_ok, col_ok, pid_m, pid_k, n_k_tiles, 
         if BLOCKS:
             col_scale = _scale_from_amax(_nan_max(tl.abs(y), 0), FP8_MAX, POW2)
             tl.store(scale_inv_t_ptr + pid_m * K + offs_k, _reciprocal(col_scale), mask=col_ok)
-            qt = _to_fp8_bits(tl.trans(y) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+            qt = to_fp8_bits(tl.trans(y) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
             tl.store(t_ptrs, qt, mask=t_mask)
         else:
             tl.store(t_ptrs, tl.trans(q), mask=t_mask)

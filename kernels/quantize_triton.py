@@ -106,7 +106,7 @@ def _round_to_fp8_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8_bits(y, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+def to_fp8_bits(y, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                  SOFTWARE_ROUNDING: tl.constexpr):
     """Saturating fp32 -> FP8 cast, returned as uint8 bits (the kernels store through uint8 views).
     Finite values past the range saturate; inf becomes NaN (an overflow already happened upstream)."""
@@ -281,7 +281,7 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
                 else:
                     program_amax = _nan_maximum(program_amax, _nan_max(_nan_max(tl.abs(x), 1), 0))
                     y = x * tensor_scale
-                q = _to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
+                q = to_fp8_bits(y, FP8_DTYPE, FP8_MAX, MBITS, EMIN, SOFTWARE_ROUNDING)
                 tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
                 if STATS:  # padding loads x = 0: never saturated, never a flushed nonzero
                     slab_saturated, slab_flushed = _cast_counts(x, y, q, SATURATION, CAN_SATURATE)
@@ -291,7 +291,7 @@ def _cast_tile_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, col_amax_ptr, scale_ptr, s
                     t_mask = col_ok[:, None] & row_ok[None, :]
                     t_ptrs = qt_ptr + offs_k[:, None] * M + offs_m[None, :]
                     if MODE == 1 or MODE == 2:
-                        qt = _to_fp8_bits(tl.trans(x) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN,
+                        qt = to_fp8_bits(tl.trans(x) * col_scale[:, None], FP8_DTYPE, FP8_MAX, MBITS, EMIN,
                                           SOFTWARE_ROUNDING)
                         tl.store(t_ptrs, qt, mask=t_mask)
                     else:

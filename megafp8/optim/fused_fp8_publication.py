@@ -37,8 +37,8 @@ try:
     import triton
     import triton.language as tl
 
-    # megafp8_kernels' saturating fp32 -> FP8 bits, the one every Triton cast of the project uses.
-    from megafp8_kernels.quantize_triton import _to_fp8_bits
+    # megafp8_kernels' saturating fp32 -> FP8 bits (public: every Triton cast of the project uses it).
+    from megafp8_kernels.quantize_triton import to_fp8_bits
 except ImportError:  # pragma: no cover - triton is a dependency; the torch twin needs none of it
     triton = None
 
@@ -141,14 +141,14 @@ if triton is not None:
             dummy_slot, FP16_MASTER, ROWS, GROUP_SIZE, WIDTH)
         y = value * tl.load(scale_ptr + slot, mask=row_in[:, None], other=1.0)
         if E5M2_ID < 0:
-            fp8 = _to_fp8_bits(y, tl.float8e4nv, _E4M3_MAX, _E4M3_MBITS, _E4M3_EMIN, SOFTWARE_ROUNDING)
+            fp8 = to_fp8_bits(y, tl.float8e4nv, _E4M3_MAX, _E4M3_MBITS, _E4M3_EMIN, SOFTWARE_ROUNDING)
         elif E4M3_ID < 0:
-            fp8 = _to_fp8_bits(y, tl.float8e5, _E5M2_MAX, _E5M2_MBITS, _E5M2_EMIN, SOFTWARE_ROUNDING)
+            fp8 = to_fp8_bits(y, tl.float8e5, _E5M2_MAX, _E5M2_MBITS, _E5M2_EMIN, SOFTWARE_ROUNDING)
         else:  # weights in both formats: each element cast in its weight's
             format_id = tl.load(frag_table_ptr + frag * WIDTH + 6, mask=row_in, other=0)[:, None]
             fp8 = tl.where(format_id == E5M2_ID,
-                           _to_fp8_bits(y, tl.float8e5, _E5M2_MAX, _E5M2_MBITS, _E5M2_EMIN, SOFTWARE_ROUNDING),
-                           _to_fp8_bits(y, tl.float8e4nv, _E4M3_MAX, _E4M3_MBITS, _E4M3_EMIN, SOFTWARE_ROUNDING))
+                           to_fp8_bits(y, tl.float8e5, _E5M2_MAX, _E5M2_MBITS, _E5M2_EMIN, SOFTWARE_ROUNDING),
+                           to_fp8_bits(y, tl.float8e4nv, _E4M3_MAX, _E4M3_MBITS, _E4M3_EMIN, SOFTWARE_ROUNDING))
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         buffer = tl.load(dest_buffer_ptr + rows, mask=row_in, other=0)
         address = tl.load(buffer_address_ptr + buffer, mask=row_in, other=0).to(tl.pointer_type(tl.uint8))
