@@ -5,6 +5,8 @@ puts the checkout on sys.path) also finds this folder under the bare name `kerne
 (transformers imports it): imported under that name, this file hands the name over to the installed one.
 Knows nothing of models or process groups. formats.py declares what an operand is (ElementFormat, ScaleLayout);
 Granularity names today's four layouts, and fp8_gemm runs the scale mode its caller's layouts declare.
+A QuantizedTensor is one operand (format, layout, payload, scales, true byte size); scaled_gemm multiplies two of
+them by their declared layouts. counter_hash is the stochastic-rounding hash kernels draw from.
 quantize and fp8_gemm are torch custom ops (megafp8::*) with fake implementations, so torch.compile traces
 through them.
 The Triton quantizer lives in quantize_triton.py, not quantize.py: importing a submodule named
@@ -40,14 +42,17 @@ else:
         swiglu_reference,
     )
     from .quantize_reference import expand_scale, scale_from_amax
+    from .quantized_tensor import QuantizedTensor, wire_bytes
+    from .scaled_gemm import has_kernel, scaled_gemm, scaled_gemm_reference
     from .scaled_mm import DEFAULT_SCALED_MM_MODES, SCALED_MM_ENV_VAR, scaled_mm_modes
     from .scaling import BLOCK, E4M3, E5M2, Fp8Format, Fp8Quantized, GemmScaleMode, Granularity, empty_scales, fp8_format, scale_shape
 
     __all__ = [
         "BACKENDS", "BLOCK", "DEFAULT_SCALED_MM_MODES", "E4M3", "E5M2", "ElementFormat", "Fp8Format", "Fp8Quantized",
-        "GEMM_BACKENDS", "GemmScaleMode", "Granularity", "SCALED_MM_ENV_VAR", "ScaleFormat", "ScaleLayout", "dequantize",
+        "GEMM_BACKENDS", "GemmScaleMode", "Granularity", "QuantizedTensor", "SCALED_MM_ENV_VAR", "ScaleFormat", "ScaleLayout",
+        "dequantize", "has_kernel",
         "element_format", "empty_scales", "expand_scale", "fp8_format", "fp8_gemm", "quantize", "resolve_backend",
         "resolve_gemm_backend", "rms_norm_backward_reference", "rms_norm_forward_reference", "rms_norm_reference",
-        "rmsnorm_quantize", "scale_from_amax", "scale_layout", "scale_shape", "scaled_mm_modes", "swiglu_quantize",
-        "swiglu_reference",
+        "rmsnorm_quantize", "scale_from_amax", "scale_layout", "scale_shape", "scaled_gemm", "scaled_gemm_reference",
+        "scaled_mm_modes", "swiglu_quantize", "swiglu_reference", "wire_bytes",
     ]

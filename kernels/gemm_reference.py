@@ -9,7 +9,7 @@ from .scaling import check_gemm_args
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, granularity) -> torch.Tensor:
-    """FP8 data and its per-group dequantization scales -> fp32."""
+    """FP8 data and its per-group dequantization scales (a Granularity or any ScaleLayout) -> fp32."""
     rows, cols = data.shape
     return data.float() * expand_scale(scale_inv, rows, cols, granularity)
 

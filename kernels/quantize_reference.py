@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .formats import WHOLE, ScaleLayout, scale_layout
 from .scaling import (
-    BLOCK,
     FLOAT32_MAX,
     Fp8Format,
     Fp8Quantized,
@@ -52,26 +52,31 @@ def saturating_cast_(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return y.masked_fill_(torch.isinf(y), float("nan")).clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # clamp keeps NaN
 
 
-def _group_amax(a: torch.Tensor, gran: Granularity) -> torch.Tensor:
-    """Per-group max of |x| (NaN-propagating), in the granularity's scale shape."""
-    if gran is Granularity.TENSORWISE:
+def _group_amax(a: torch.Tensor, gran: Granularity | ScaleLayout) -> torch.Tensor:
+    """Per-group max of |x| (NaN-propagating), in the layout's scale shape: any block layout, read from its block
+    shape (a max is exact in any order, so one rule serves every layout bit for bit)."""
+    layout = scale_layout(gran)
+    if layout.block == (WHOLE, WHOLE):
         return a.amax()
-    if gran is Granularity.ROWWISE:
-        return a.amax(dim=1, keepdim=True)
     rows, cols = a.shape
-    padded = torch.nn.functional.pad(a, (0, -cols % BLOCK, 0, -rows % BLOCK if gran is Granularity.BLOCK_128X128 else 0))
-    if gran is Granularity.BLOCK_1X128:
-        return padded.view(padded.shape[0], -1, BLOCK).amax(dim=2)
-    return padded.view(padded.shape[0] // BLOCK, BLOCK, -1, BLOCK).amax(dim=(1, 3))
+    edge_rows, edge_cols = _edges(layout, rows, cols)
+    padded = torch.nn.functional.pad(a, (0, -cols % edge_cols, 0, -rows % edge_rows))
+    return padded.view(padded.shape[0] // edge_rows, edge_rows, -1, edge_cols).amax(dim=(1, 3))
 
 
-def expand_scale(scale: torch.Tensor, rows: int, cols: int, gran: Granularity) -> torch.Tensor:
-    """Broadcast per-group scales to a (rows, cols) elementwise tensor."""
-    if gran in (Granularity.TENSORWISE, Granularity.ROWWISE):
-        return scale.expand(rows, cols)
-    if gran is Granularity.BLOCK_128X128:
-        scale = scale.repeat_interleave(BLOCK, dim=0)[:rows]
-    return scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
+def _edges(layout: ScaleLayout, rows: int, cols: int) -> tuple[int, int]:
+    block_rows, block_cols = layout.block
+    return (rows if block_rows == WHOLE else block_rows), (cols if block_cols == WHOLE else block_cols)
+
+
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, gran: Granularity | ScaleLayout) -> torch.Tensor:
+    """Broadcast per-group scales of any block layout to a (rows, cols) elementwise tensor."""
+    block_rows, block_cols = scale_layout(gran).block
+    if block_rows not in (WHOLE, 1):
+        scale = scale.repeat_interleave(block_rows, dim=0)[:rows]
+    if block_cols != WHOLE:
+        scale = scale.repeat_interleave(block_cols, dim=1)[:, :cols]
+    return scale.expand(rows, cols)
 
 
 def cast_counts(x32: torch.Tensor, scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -121,8 +126,8 @@ def quantize_reference(
         result = _quantize_groups(x32, fmt, gran, power_of_2_scale, stats)
     if not transpose:
         return result
-    if gran in (Granularity.TENSORWISE, Granularity.BLOCK_128X128):
-        # Same groups, same scales: the transposed copy is the same bytes, moved.
+    if scale_layout(gran).transpose_is_relayout:
+        # Same groups, same scales (one scale, square tiles): the transposed copy is the same bytes, moved.
         # clone, not contiguous(): a 0-dim scale's transpose is itself, and outputs must not alias.
         return result._replace(data_t=result.data.t().contiguous(),
                                scale_inv_t=result.scale_inv.t().clone(memory_format=torch.contiguous_format))

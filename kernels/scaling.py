@@ -40,6 +40,14 @@ class Granularity(str, enum.Enum):
         return scale_layout(self.value)
 
 
+def layout_granularity(layout: ScaleLayout) -> Granularity | ScaleLayout:
+    """A layout by its Granularity name where it has one (today's four, which the kernels take), else itself."""
+    try:
+        return Granularity(layout.name)
+    except ValueError:
+        return layout
+
+
 def granularity(value: str | Granularity) -> Granularity:
     try:
         return Granularity(value)

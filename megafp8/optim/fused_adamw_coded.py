@@ -7,7 +7,7 @@ One program takes ``ROWS`` whole 128-element groups, so every per-group quantity
 moment is decoded with its group's amax and k, updated, and encoded again with the new group's amax, amin and k
 (megafp8.optim.state_codec; the powers in fp64 through megafp8.optim.reproducible_math, as the codec does); the fp16
 master is decoded with its tensor's power-of-two scale and written back stochastically rounded with the twin's
-counter-based bits (megafp8.optim.stochastic_rounding: ``hash(key of (seed, step, parameter), flat index in the
+counter-based bits (megafp8_kernels.counter_hash: ``hash(key of (seed, step, parameter), flat index in the
 parameter)``, the same 32-bit integer hash in int64 here), and each group's largest |new value| goes to a per-group
 table the optimizer reduces per tensor once. The clip factor, the finite flag, the step size and
 ``sqrt(1 - beta2^t)`` are 0-dim device tensors; where ``finite`` is False nothing is stored.
@@ -35,6 +35,9 @@ try:
     import triton.language as tl
 
     from megafp8.optim.reproducible_math import exp2_fp64, log2_fp64
+    from megafp8_kernels.counter_hash import counter_uniform_triton
+
+    _counter_uniform = counter_uniform_triton  # the name the twin tests probe
 except ImportError:  # pragma: no cover - triton is a dependency; the torch twin needs none of it
     triton = None
 
@@ -91,20 +94,6 @@ if triton is not None:
         steps = (steps + 12582912.0) - 12582912.0  # + 1.5 * 2^23: fp32 addition rounds to an even integer
         code = (e + 6) * 8 + steps.to(tl.int32)  # a carry into the next binade is the next exponent field
         return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
-
-    @triton.jit
-    def _mix32(x):  # stochastic_rounding._mix32: lowbias32 on int64 holding 32-bit values
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & 0xFFFFFFFF
-        return x ^ (x >> 16)
-
-    @triton.jit
-    def _counter_uniform(key, index):  # stochastic_rounding.counter_uniform_at
-        h = _mix32((index & 0xFFFFFFFF) ^ key)
-        h = _mix32(h ^ (index >> 32) ^ _mix32(key ^ 0x9E3779B9))
-        return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
 
     @triton.jit
     def _stochastic_round_to_fp16(x, uniform):
@@ -204,7 +193,7 @@ if triton is not None:
         if FP16_MASTER:
             key = tl.load(key_ptr + group, mask=row_in, other=0)[:, None]
             index = offs + tl.load(index_offset_ptr + group, mask=row_in, other=0)[:, None]
-            rounded = _stochastic_round_to_fp16(p * scale, _counter_uniform(key, index))
+            rounded = _stochastic_round_to_fp16(p * scale, counter_uniform_triton(key, index))
             tl.store(p_ptr + offs, rounded, mask=store)
             tl.store(group_amax_ptr + group, tl.max(tl.abs(p), axis=1), mask=row_in)
         else:

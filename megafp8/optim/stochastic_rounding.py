@@ -10,56 +10,18 @@ AdamW step below half of it rounds away under round-to-nearest, forever. Roundin
 """
 from __future__ import annotations
 
-import zlib
-
 import torch
 
-_MASK32 = 0xFFFFFFFF
-UNIFORM_BITS = 24  # an fp32 holds a 24-bit integer exactly, so u = k / 2^24 is exact
+# The hash lives with the kernels, which draw from it too; re-exported for the optimizer and its tests.
+from megafp8_kernels.counter_hash import (  # noqa: F401
+    UNIFORM_BITS,
+    counter_uniform,
+    counter_uniform_at,
+    rounding_key,
+    rounding_keys,
+)
+
 FP16_MAX = 65504.0
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' ``lowbias32`` integer hash on int64 tensors holding 32-bit values (products wrap in
-    int64; only their low 32 bits are kept, which two's-complement wrapping leaves exact)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def _mix32_int(x: int) -> int:
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def rounding_key(seed: int, step: int, name: str) -> int:
-    """A 32-bit key for one parameter's encode at one step (``name`` salts parameters apart)."""
-    return _mix32_int(_mix32_int(_mix32_int(seed) ^ step) ^ zlib.crc32(name.encode()))
-
-
-def rounding_keys(seed: int, step: torch.Tensor, name_salts: torch.Tensor) -> torch.Tensor:
-    """``rounding_key`` on the device: ``step`` an int64 tensor, ``name_salts`` the names' crc32 (int64)."""
-    return _mix32(_mix32(_mix32_int(seed) ^ step) ^ name_salts)
-
-
-def counter_uniform(key: int, start: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """fp32 uniforms in [0, 1) for elements ``[start, start + n)``: ``hash(key, index)``, one per index."""
-    return counter_uniform_at(torch.tensor(key, dtype=torch.int64, device=device),
-                              torch.arange(start, start + n, dtype=torch.int64, device=device))
-
-
-def counter_uniform_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``counter_uniform`` at arbitrary flat indices (int64), with int64 keys broadcast against them: the
-    optimizer draws a whole shard's uniforms at once, each element keyed by its parameter's key."""
-    h = _mix32((index & _MASK32) ^ key)
-    h = _mix32(h ^ (index >> 32) ^ _mix32(key ^ 0x9E3779B9))
-    return (h >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0 ** -UNIFORM_BITS
 
 
 def stochastic_round_to_fp16(values: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
