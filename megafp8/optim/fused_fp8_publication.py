@@ -31,7 +31,8 @@ import torch
 
 from megafp8.optim.fused_adamw_coded import GPU_ROWS, INTERPRETER_ROWS
 from megafp8.optim.state_codec import GROUP
-from megafp8_kernels import fp8_format
+from megafp8.parallel.grad_buffer import BYTE_BITS
+from megafp8_kernels import element_format, fp8_format
 
 try:
     import triton
@@ -53,11 +54,20 @@ def format_ids(dtypes: list[torch.dtype]) -> tuple[int, int]:
     unknown = set(ids) - {torch.float8_e4m3fn, torch.float8_e5m2}
     if unknown:
         raise ValueError(f"the fused FP8 publication casts to E4M3 and E5M2 only, not {sorted(map(str, unknown))}")
+    packed = sorted(str(dtype) for dtype in ids if element_format(dtype).bits != BYTE_BITS)
+    if packed:  # the cast stores one byte per lane at byte offsets: a packed format needs its own store
+        raise ValueError(f"the fused FP8 publication writes one byte per element, not the packed {packed}")
     return ids.get(torch.float8_e4m3fn, -1), ids.get(torch.float8_e5m2, -1)
 
 
 def _rows(device: torch.device) -> int:
     return GPU_ROWS if device.type == "cuda" else INTERPRETER_ROWS
+
+
+def _software_rounding(device: torch.device) -> bool:
+    # The interpreter's fp32 -> fp8 conversion drops the carry into the exponent (to_fp8_bits rounds in software there;
+    # a GPU's cvt.rn rounds right). The offline kernel audit patches this to False to compile the variant a GPU runs.
+    return device.type != "cuda"
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------
@@ -177,13 +187,13 @@ def cast_triton(master: torch.Tensor, master_scale: torch.Tensor, frag_of_group:
                 scale: torch.Tensor, dest_buffer: torch.Tensor, dest_offset: torch.Tensor,
                 buffer_address: torch.Tensor, formats: tuple[int, int]) -> None:
     """The FP8 bytes of storage ``groups`` (128 per group, padding lanes included, as the twin writes them) at byte
-    ``dest_offset[k]`` of buffer ``dest_buffer[k]``, whose address is ``buffer_address[dest_buffer[k]]`` (int64
-    ``data_ptr()`` of uint8 tensors on this device, kept alive by their owner), in one launch; ``formats``: the
-    ``format_ids`` of ``frag_table``'s last column."""
+    ``dest_offset[k]`` (bytes, as Bucket.fp8_bytes counts them) of buffer ``dest_buffer[k]``, whose address is
+    ``buffer_address[dest_buffer[k]]`` (int64 ``data_ptr()`` of uint8 tensors on this device, kept alive by their
+    owner), in one launch; ``formats``: the ``format_ids`` of ``frag_table``'s last column."""
     rows = _rows(master.device)
     n = groups.numel()
     _cast_kernel[(triton.cdiv(n, rows),)](
         master, master_scale, frag_of_group, index_offset, groups, n, frag_table, scale, dest_buffer, dest_offset,
         buffer_address, dummy_slot, FP16_MASTER=master.dtype == torch.float16, E4M3_ID=formats[0],
-        E5M2_ID=formats[1], SOFTWARE_ROUNDING=master.device.type != "cuda", ROWS=rows, GROUP_SIZE=GROUP,
+        E5M2_ID=formats[1], SOFTWARE_ROUNDING=_software_rounding(master.device), ROWS=rows, GROUP_SIZE=GROUP,
         WIDTH=TABLE_WIDTH, num_warps=4, enable_fp_fusion=False)

@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 # (module, constant the launcher uses on a CPU tensor, constant it uses on a CUDA tensor).
 GPU_LAUNCH_SIZES = (("megafp8.optim.fused_adamw", "INTERPRETER_BLOCK", "GPU_BLOCK"),
                     ("megafp8.optim.fused_adamw_coded", "INTERPRETER_BLOCK", "GPU_BLOCK"),
-                    ("megafp8.optim.fused_adamw_coded", "INTERPRETER_ROWS", "GPU_ROWS"))
+                    ("megafp8.optim.fused_adamw_coded", "INTERPRETER_ROWS", "GPU_ROWS"),
+                    ("megafp8.optim.fused_fp8_publication", "INTERPRETER_ROWS", "GPU_ROWS"))
 
 # Flat shard sizes, in elements: a multiple of 16 groups of 128 (every integer argument divisible by 16, as in the
 # examples' buckets), and one whose group count is odd (a bucket shard of any size: the group counts and offsets the
@@ -27,13 +28,17 @@ ALIGNED_ELEMENTS, ODD_GROUPS_ELEMENTS = 128 * 64, 128 * 37
 
 @contextlib.contextmanager
 def gpu_launch_sizes() -> Iterator[None]:
-    """Within `with`: the optimizer launchers pick the block sizes they pick for CUDA tensors."""
+    """Within `with`: the optimizer launchers pick the block sizes they pick for CUDA tensors (and the publication's
+    cast the hardware rounding a GPU uses)."""
     saved = []
     try:
         for module_name, cpu_name, gpu_name in GPU_LAUNCH_SIZES:
             module = importlib.import_module(module_name)
             saved.append((module, cpu_name, getattr(module, cpu_name)))
             setattr(module, cpu_name, getattr(module, gpu_name))
+        publication = importlib.import_module("megafp8.optim.fused_fp8_publication")
+        saved.append((publication, "_software_rounding", publication._software_rounding))
+        publication._software_rounding = lambda device: False
         yield
     finally:
         for module, name, value in reversed(saved):
@@ -111,9 +116,40 @@ def coded_adamw_cases() -> Iterator[tuple[str, str, Callable[[], None]]]:
         yield what, "_publish_fp16_master_kernel", publish
 
 
-# Every maker of optimizer cases, in audit order. The fused FP8 publication kernel's cases go here when it lands.
+def fp8_publication_cases() -> Iterator[tuple[str, str, Callable[[], None]]]:
+    """--fp8-param-gather's fused publication (megafp8/optim/fused_fp8_publication.py): the per-group amax from an
+    fp32 and an fp16 master, and the cast into E4M3-only, E5M2-only and mixed buckets (hybrid recipes with E5M2
+    weights mix them), through one address table."""
+    import torch
+
+    from megafp8.optim import fused_fp8_publication as P
+
+    n = ALIGNED_ELEMENTS
+    groups = n // 128
+
+    def tables(master_dtype):
+        # One tensorwise (64, 128) weight in one fragment: the tables' dtypes and the integer arguments' divisibility
+        # are what the compile specializes on, not the values.
+        return dict(master=torch.zeros(n, dtype=master_dtype), master_scale=torch.ones(1),
+                    frag_of_group=torch.zeros(groups, dtype=torch.int64),
+                    index_offset=torch.zeros(groups, dtype=torch.int64), groups=torch.arange(groups),
+                    frag_table=torch.tensor([[0, 128, 1 << 62, 1, 1 << 62, n, 0], [1, 1, 1, 1, 1, 0, 0]]),
+                    dummy_slot=16)
+
+    for master_dtype, what in ((torch.float32, "fp32 master"), (torch.float16, "fp16 master")):
+        yield what, "_group_amax_kernel", lambda d=master_dtype: P.group_amax_triton(**tables(d), amax=torch.zeros(17))
+        for formats, fmt in (((0, -1), "e4m3"), ((-1, 0), "e5m2"), ((0, 1), "e4m3+e5m2")):
+            def cast(d=master_dtype, formats=formats):
+                out = torch.zeros(n, dtype=torch.uint8)
+                P.cast_triton(**tables(d), scale=torch.ones(17), dest_buffer=torch.zeros(groups, dtype=torch.int64),
+                              dest_offset=torch.arange(groups) * 128,
+                              buffer_address=torch.tensor([out.data_ptr()]), formats=formats)
+            yield f"{what} into {fmt}", "_cast_kernel", cast
+
+
+# Every maker of optimizer cases, in audit order.
 OPTIMIZER_CASE_MAKERS: tuple[Callable[[], Iterator[tuple[str, str, Callable[[], None]]]], ...] = (
-    fp32_adamw_cases, coded_adamw_cases)
+    fp32_adamw_cases, coded_adamw_cases, fp8_publication_cases)
 
 
 # kernel_audit.py --quick: the default preset's two kernels and the compressed preset's update and publication.
