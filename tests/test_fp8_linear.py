@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megafp8.fp8.linear_function as fp8_linear_function
+import megafp8.fp8.quantizer as fp8_quantizer  # where the linear op's quantize calls are made
 from megafp8_kernels import Granularity, quantize
 from fp8_testing import SavedBytes, attach_main_grads, gaussian_with_outlier_channels, sqnr_db
 from megafp8.fp8 import (
@@ -83,13 +83,13 @@ def test_activation_bytes_saved_are_at_most_055x_bf16(name):
 def quantize_calls(monkeypatch):
     """Records (data_ptr of the quantized tensor, transpose flag) for every quantize kernel call."""
     calls = []
-    real_quantize = fp8_linear_function.quantize
+    real_quantize = fp8_quantizer.quantize
 
     def recording_quantize(x, *args, **kwargs):
         calls.append((x.data_ptr(), kwargs.get("transpose")))
         return real_quantize(x, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_function, "quantize", recording_quantize)
+    monkeypatch.setattr(fp8_quantizer, "quantize", recording_quantize)
     return calls
 
 

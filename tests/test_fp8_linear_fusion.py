@@ -256,7 +256,7 @@ def _tp_steps(ps, cfg, recipe, fused: bool, overflow: str | None, steps: int = 3
 
 def _tp_body(rank: int, world_size: int) -> None:
     """TP=2 with and without SP: the fused model equals the unfused one bit for bit, and the fused kernels run
-    where linear_function._fuses_sequence_shard says they serve SP."""
+    where Quantizer.fuses_sequence_shard says they serve SP."""
     for case, (recipe, sp, seq, overflow, warm_norms, no_grad_norms) in TP_CASES.items():
         cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
                           num_query_groups=4, seq_length=seq, vocab_size=100, make_vocab_size_divisible_by=8)
@@ -305,11 +305,11 @@ class _DroppingMaxComm:
 def test_fused_transposed_shard_keeps_a_nan_scale_through_a_max_that_drops_nan():
     from types import SimpleNamespace
 
-    from megafp8.fp8.linear_function import _fused_transposed_shard
+    from megafp8.fp8 import Fp8Recipe
     from megafp8_kernels import Granularity
 
     scale_t = torch.tensor([[0.5, float("nan")], [2.0, 1.0]])
     local = SimpleNamespace(granularity=Granularity.BLOCK_1X128, col_major=lambda: (torch.zeros(2, 256), scale_t))
-    _, full = _fused_transposed_shard(local, _DroppingMaxComm())
+    _, full = Fp8Recipe.blockwise().quantizer("input").transposed_fused_shard(local, _DroppingMaxComm())
     assert full.shape == (2, 4) and torch.equal(full[:, 2:], torch.zeros(2, 2))
     assert torch.equal(full[:, :2].nan_to_num(-1.0), scale_t.nan_to_num(-1.0))  # the NaN group stays NaN

@@ -157,14 +157,13 @@ def test_main_grad_routing_under_tensor_and_sequence_parallel():
 def _requantized_transpose_sqnr(x: torch.Tensor, recipe: Fp8Recipe, n: int) -> tuple[float, float]:
     """x^T's SQNR vs fp64 two ways: re-quantized from the gathered row-major FP8 shards (the previous SP
     path, still the one for output gradients) and quantized from high precision (TP=1, and now SP)."""
-    from megafp8.fp8.linear_function import _with_transposed_copy
     from megafp8_kernels import quantize
 
     gran, dtype = recipe.granularity("input"), recipe.dtype("input")
     shards = [quantize(shard, dtype, gran) for shard in x.chunk(n)]
     gathered = Float8Tensor(tuple(x.shape), dtype, gran, torch.cat([q.data for q in shards]),
                             torch.cat([q.scale_inv for q in shards]))
-    old = _with_transposed_copy(gathered, False)
+    old = recipe.quantizer("input").with_transposed_copy(gathered)
     new = quantize(x, dtype, gran, transpose=True)
     def transposed_only(data_t, scale_inv_t):
         return Float8Tensor(tuple(x.shape), dtype, gran, data_t=data_t, scale_inv_t=scale_inv_t).dequantize()

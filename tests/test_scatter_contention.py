@@ -100,7 +100,7 @@ def test_sequence_parallel_transposed_copy_amax_without_scatter(granularity, row
     local = SimpleNamespace(granularity=recipe.granularity("input"))
     scatters = _Scatters()
     with scatters:
-        linear_function._local_transposed_shard(x2d, local, recipe, "input", comm)
+        recipe.quantizer("input").transposed_sequence_shard(x2d, local, comm)
     assert scatters.calls == []
     expected = _scatter_reference(x2d, granularity, rank, size)
     assert torch.equal(seen["amax"].isnan(), expected.isnan())

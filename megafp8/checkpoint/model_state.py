@@ -45,6 +45,7 @@ def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_sta
     --fp8-param-gather, which the ZeRO owners hold as master weights."""
     chunks = [models] if isinstance(models, nn.Module) else list(models)
     tp_rank, tp_size = parallel_state.coords.tp, parallel_state.tp_size
+    group_coords = parallel_state.group_coordinates()  # (index, size) per named group: how placements shard
     state: dict[str, torch.Tensor | ShardedChunks] = {}
     owners: dict[str, torch.Tensor] = {}
     for model in chunks:
@@ -65,7 +66,8 @@ def model_checkpoint_state(models: nn.Module | Sequence[nn.Module], parallel_sta
                 state[key] = overrides[name]
                 continue
             if param is not None:
-                local = tensor_parallel_state(local, param, tp_rank, tp_size, vocab_size)
+                local = tensor_parallel_state(local, param, tp_rank, tp_size, vocab_size,
+                                              group_coords=group_coords)
             state[key] = local
     return state
 

@@ -48,6 +48,7 @@ def _global_state(optimizer_state: dict[str, Any], model: nn.Module | Sequence[n
                   saving: bool) -> dict[str, Any]:
     params, vocab_size = _named_params(model), _vocab_size(model)
     tp_rank, tp_size = ps.coords.tp, ps.tp_size
+    group_coords = ps.group_coordinates()  # (index, size) per named group: how placements shard
     out: dict[str, Any] = {"params": {}}
     for key in SCALARS:
         out[key] = optimizer_state[key]
@@ -67,7 +68,8 @@ def _global_state(optimizer_state: dict[str, Any], model: nn.Module | Sequence[n
                     continue  # unused (always 1) with fp32 master weights: keep fp32 states TP-reshardable
                 tensors[f"master_scale.tp{tp_size}.rank{tp_rank}"] = tensor
             elif tensor.numel() == end - start:
-                tensors[field] = param_flat_range_state(tensor, start, param, tp_rank, tp_size, vocab_size)
+                tensors[field] = param_flat_range_state(tensor, start, param, tp_rank, tp_size, vocab_size,
+                                                        group_coords=group_coords)
             else:  # one entry per 128-element group of this TP shard's flat index
                 groups = -(-param.numel() // GROUP)
                 tensors[f"{field}.tp{tp_size}.rank{tp_rank}"] = flat_range_state(tensor, start // GROUP, groups)

@@ -16,8 +16,10 @@ planners to look these objects up (their documented extension points), and keep 
 plain data: DCP's default loads them with ``weights_only=False``, which would run code from the file.
 
 Constructors for the three kinds of sharded state in megafp8:
-- ``tensor_parallel_state``: a TP shard of a tagged parameter, or any tensor of the shard's shape
-  (non-ZeRO optimizer moments); vocab-padded rows are left out so the global shape is layout-free.
+- ``tensor_parallel_state``: a shard of a parameter whose placement (megafp8.parallel.placement) splits it over a
+  group (TP for every tagged one today), or any tensor of the shard's shape (non-ZeRO optimizer moments);
+  vocab-padded rows are left out so the global shape is layout-free. Only a parameter placed whole is saved as
+  one replicated tensor: a split one whose group's coordinates are unknown fails instead of losing its other pieces.
 - ``param_flat_range_state``: a rank's ZeRO range [start, start + n) of a parameter's flattened TP shard,
   saved in the parameter's global shape (so it reshards over TP *and* DP).
 - ``flat_range_state`` / ``flat_sharded_state``: a 1-D tensor owned in ranges (global offset, numel).
@@ -38,6 +40,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
 from megafp8.checkpoint.safe_dcp import check_plain, entry_source, load_plain
+from megafp8.parallel.placement import Placement, placement_of
+
+# group name -> (this rank's index, size), as ParallelState.group_coordinates() gives them
+GroupCoords = Mapping[str, tuple[int, int]]
 
 
 class ShardedChunks:
@@ -164,37 +170,53 @@ def _flat_range_boxes(shape: Sequence[int], start: int, end: int) -> Iterator[tu
             yield [row, *offsets], [1, *sizes], flat + row * inner
 
 
-def _tp_layout(param: torch.Tensor, tp_rank: int, tp_size: int, vocab_size: int | None
-               ) -> tuple[list[int], int | None, int, int, int | None]:
-    """(global shape, partition dim, local block size, stride, kept extent along the vocab dim)."""
-    shape = list(param.shape)
-    if not getattr(param, "tensor_model_parallel", False):
-        return shape, None, 0, 1, None
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+def _shard_coords(placement: Placement, tp_rank: int, tp_size: int, group_coords: GroupCoords | None
+                  ) -> tuple[int, int]:
+    """(rank, size) of this rank in the group splitting the parameter."""
+    group = placement.shard_group
+    if group_coords is not None and group in group_coords:
+        return group_coords[group]
+    if group == "tp":
+        return tp_rank, tp_size
+    raise ValueError(f"a parameter split over the {group!r} group needs that group's (rank, size) in group_coords "
+                     "(ParallelState.group_coordinates()); saved whole from one rank, the other pieces would be lost")
+
+
+def _shard_layout(param: torch.Tensor, tp_rank: int, tp_size: int, vocab_size: int | None,
+                  group_coords: GroupCoords | None) -> tuple[list[int], int | None, int, int, int | None, int, int]:
+    """(global shape, partition dim, local block size, stride, kept extent along the vocab dim, rank, size in the
+    group splitting it) as the parameter's placement says."""
+    shape, placement = list(param.shape), placement_of(param)
+    if not placement.sharded:
+        return shape, None, 0, 1, None, 0, 1
+    rank, size = _shard_coords(placement, tp_rank, tp_size, group_coords)
+    dim, stride = placement.shard_dim, placement.shard_stride
     if shape[dim] % stride:
         raise ValueError(f"a shard of size {shape[dim]} along dim {dim} does not split into {stride} stride blocks")
-    shape[dim] *= tp_size
+    shape[dim] *= size
     keep = None
-    if getattr(param, "padded_vocab", False) and vocab_size is not None:
+    if placement.padded_vocab and vocab_size is not None:
         if vocab_size > shape[dim]:
             raise ValueError(f"vocab size {vocab_size} exceeds the padded vocab ({shape[dim]}) of a parameter")
         shape[dim] = keep = vocab_size  # padding rows depend on TP: they are not part of the checkpoint
-    return shape, dim, param.shape[dim] // stride, stride, keep
+    return shape, dim, param.shape[dim] // stride, stride, keep, rank, size
 
 
 def _to_global(box_offsets: list[int], box: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int,
-               vocab_size: int | None) -> tuple[list[int], list[tuple[list[int], torch.Tensor]]]:
+               vocab_size: int | None, group_coords: GroupCoords | None
+               ) -> tuple[list[int], list[tuple[list[int], torch.Tensor]]]:
     """Map a box of ``param``'s local shard (local offsets + its data) to global chunks."""
-    global_shape, dim, block, stride, keep = _tp_layout(param, tp_rank, tp_size, vocab_size)
+    global_shape, dim, block, stride, keep, rank, size = _shard_layout(param, tp_rank, tp_size, vocab_size,
+                                                                       group_coords)
     if dim is None:
         return global_shape, [(box_offsets, box)]
-    full_block = block * tp_size
+    full_block = block * size
     chunks = []
     lo, hi = box_offsets[dim], box_offsets[dim] + box.shape[dim]
     while lo < hi:  # split at stride-block boundaries: each block lands in a different global region
         b = lo // block
         piece_end = min(hi, (b + 1) * block)
-        g_lo = b * full_block + tp_rank * block + (lo - b * block)
+        g_lo = b * full_block + rank * block + (lo - b * block)
         g_hi = g_lo + piece_end - lo
         if keep is not None:
             g_hi = min(g_hi, keep)
@@ -207,24 +229,27 @@ def _to_global(box_offsets: list[int], box: torch.Tensor, param: torch.Tensor, t
 
 
 def tensor_parallel_state(local: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int,
-                          vocab_size: int | None = None) -> torch.Tensor | ShardedChunks:
-    """``local`` (a TP shard of ``param``, or a tensor of the shard's shape such as an Adam moment) in
-    global coordinates. Untagged (replicated) tensors are returned as they are: DCP saves them once.
+                          vocab_size: int | None = None, *, group_coords: GroupCoords | None = None
+                          ) -> torch.Tensor | ShardedChunks:
+    """``local`` (a shard of ``param``, or a tensor of the shard's shape such as an Adam moment) in global
+    coordinates. A tensor whose placement keeps it whole is returned as it is: DCP saves it once.
 
-    ``vocab_size``: the real vocab; rows of vocab-padded tensors at or past it are not saved."""
+    ``vocab_size``: the real vocab; rows of vocab-padded tensors at or past it are not saved. ``group_coords``: this
+    rank's (index, size) per group, for parameters split over a group other than TP (``tp_rank``/``tp_size``)."""
     if local.shape != param.shape:
         raise ValueError(f"tensor_parallel_state: local tensor {tuple(local.shape)} is not shaped like its "
                          f"parameter shard {tuple(param.shape)}")
-    if not getattr(param, "tensor_model_parallel", False):
+    if not placement_of(param).sharded:
         return local
-    global_shape, chunks = _to_global([0] * local.dim(), local, param, tp_rank, tp_size, vocab_size)
+    global_shape, chunks = _to_global([0] * local.dim(), local, param, tp_rank, tp_size, vocab_size, group_coords)
     return ShardedChunks(global_shape, chunks, dtype=local.dtype)
 
 
 def param_flat_range_state(local_flat: torch.Tensor, flat_start: int, param: torch.Tensor, tp_rank: int,
-                           tp_size: int, vocab_size: int | None = None) -> ShardedChunks:
+                           tp_size: int, vocab_size: int | None = None, *,
+                           group_coords: GroupCoords | None = None) -> ShardedChunks:
     """A ZeRO shard: ``local_flat`` holds elements [flat_start, flat_start + n) of ``param``'s flattened
-    local (TP) shard; it is saved in ``param``'s global shape, so it reloads under another TP *and* DP
+    local shard; it is saved in ``param``'s global shape, so it reloads under another TP *and* DP
     size (a template built the same way at the new layout receives its new range)."""
     if local_flat.dim() != 1:
         raise ValueError(f"param_flat_range_state: expected a 1-D range, got shape {tuple(local_flat.shape)}")
@@ -232,11 +257,11 @@ def param_flat_range_state(local_flat: torch.Tensor, flat_start: int, param: tor
     if flat_start < 0 or end > param.numel():
         raise ValueError(f"param_flat_range_state: range [{flat_start}, {end}) outside the shard's "
                          f"{param.numel()} elements")
-    global_shape = _tp_layout(param, tp_rank, tp_size, vocab_size)[0]
+    global_shape = _shard_layout(param, tp_rank, tp_size, vocab_size, group_coords)[0]
     chunks = []
     for offsets, sizes, flat in _flat_range_boxes(list(param.shape), flat_start, end):
         box = local_flat[flat - flat_start: flat - flat_start + math.prod(sizes)].view(sizes)
-        chunks += _to_global(offsets, box, param, tp_rank, tp_size, vocab_size)[1]
+        chunks += _to_global(offsets, box, param, tp_rank, tp_size, vocab_size, group_coords)[1]
     return ShardedChunks(global_shape, chunks, dtype=local_flat.dtype)
 
 

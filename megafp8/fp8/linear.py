@@ -69,7 +69,7 @@ class Fp8GemmModule(nn.Module):
             self.fp8_scaling[role] = ScalingState(recipe, recipe.dtype(role)).to(device)
 
     def scaling_state(self, role: str, recipe: Fp8Recipe) -> ScalingState | None:
-        if not recipe.is_delayed:
+        if not recipe.keeps_state(role):
             return None
         if role not in self.fp8_scaling or self.fp8_scaling[role].recipe != recipe:
             self._make_scaling_states(recipe)  # recipe came from fp8_autocast: allocate on first use
@@ -145,11 +145,10 @@ class Fp8GemmModule(nn.Module):
         return self._injected_weight is not None and self._injected_scale_version != self._weight_scale_version()
 
     def _injected_fp8_weight(self, recipe: Fp8Recipe, transpose: bool) -> Float8Tensor:
-        weight = self._injected_weight
-        want = (recipe.dtype("weight"), recipe.granularity("weight"))
-        if (weight.fp8_dtype, weight.granularity) != want:
-            raise ValueError(f"injected FP8 weight is {weight.fp8_dtype} {weight.granularity.value}, but the recipe "
-                             f"{recipe.scaling!r} quantizes weights as {want[0]} {want[1].value}")
+        weight, quantizer = self._injected_weight, recipe.quantizer("weight")
+        if (weight.format, weight.layout) != (quantizer.format, quantizer.layout):
+            raise ValueError(f"injected FP8 weight is {weight.fp8_dtype} {weight.layout.name}, but the recipe "
+                             f"{recipe.scaling!r} quantizes weights as {quantizer.format.dtype} {quantizer.layout.name}")
         self._check_injected_weight_current(recipe)
         if transpose and weight.data_t is None:
             weight = self._injected_weight = weight.with_transpose(recipe.power_of_2_scale)  # once per step
@@ -164,6 +163,11 @@ class Fp8GemmModule(nn.Module):
         state = self.scaling_state("weight", recipe)
         return WeightQuantization(recipe.dtype("weight"), recipe.granularity("weight"), recipe.power_of_2_scale,
                                   delayed_scale(state), state)
+
+    def drop_quantized_weight_cache(self) -> None:
+        """Forget the weight this layer quantized itself (the next forward quantizes and observes again), keeping a
+        weight the optimizer injected: a step re-run after its scaling state was restored (StepState)."""
+        self._weight_cache = None
 
     def invalidate_weight_cache(self) -> None:
         """Drop the cached and the injected FP8 weight: the next forward quantizes (or is handed) a new one."""

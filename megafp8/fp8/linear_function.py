@@ -39,16 +39,15 @@ parallelism a column-parallel layer all-reduces dgrad itself (`tp_input`), also 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from megafp8_kernels import BLOCK, Granularity, fp8_format, fp8_gemm, quantize, scale_from_amax
+from megafp8_kernels import scaled_gemm
 
 from .forced_overflow import overflowing_scale
 from .prologue import InputPrologue
+from .quantizer import Quantized, Quantizer
 from .recipe import Fp8Recipe
 from .telemetry import record_fp8_stats
 from .tensor import Float8Tensor
@@ -125,72 +124,56 @@ def delayed_scale(state: ScalingState | None) -> torch.Tensor | None:
     return state.scale
 
 
+def _observed(q: Quantized, role: str, state: ScalingState | None, layer: Fp8GemmModule, observe: bool) -> Float8Tensor:
+    """A quantizer's result after its bookkeeping: the amax into the role's delayed state (if `observe`), the cast's
+    counts into the layer's telemetry."""
+    if state is not None and observe:
+        state.observe(q.amax)
+    if layer.telemetry_enabled:
+        record_fp8_stats(layer, role, q.tensor, q.counts, q.amax)
+    return q.tensor
+
+
 def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingState | None, transpose: bool,
                      layer: Fp8GemmModule, scale: torch.Tensor | None = None, observe: bool = True) -> Float8Tensor:
-    """Quantize one operand by the recipe; delayed scaling uses the role's ScalingState and, if `observe`,
-    feeds it this tensor's amax."""
-    gran = recipe.granularity(role)
+    """Quantize one operand with the recipe's quantizer for its role; delayed scaling uses the role's ScalingState
+    and, if `observe`, feeds it this tensor's amax."""
+    quantizer = recipe.quantizer(role)
     if scale is None:
         scale = delayed_scale(state)
     if scale is None and state is not None:
-        scale = _cold_shard_scale(x2d, recipe, role, layer)
+        scale = _cold_shard_scale(x2d, quantizer, layer)
     if role == "input" and layer.forced_overflow_factor is not None:  # a test hook (forced_overflow.py)
-        scale = overflowing_scale(x2d, scale, recipe.dtype(role), gran, recipe.power_of_2_scale,
-                                  layer.forced_overflow_factor)
-    q = quantize(x2d, recipe.dtype(role), gran, power_of_2_scale=recipe.power_of_2_scale, scale=scale,
-                 transpose=transpose, stats=layer.telemetry_enabled)
-    if state is not None and observe:
-        state.observe(q.amax)
-    fp8 = Float8Tensor.from_quantized(q, gran)
-    if layer.telemetry_enabled:
-        record_fp8_stats(layer, role, fp8, q.counts, q.amax)
-    return fp8
+        scale = overflowing_scale(x2d, scale, quantizer.format.dtype, quantizer.granularity,
+                                  quantizer.power_of_2_scale, layer.forced_overflow_factor)
+    q = quantizer.quantize(x2d, scale=scale, transpose=transpose, stats=layer.telemetry_enabled)
+    return _observed(q, role, state, layer, observe)
 
 
 def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], args: Fp8LinearArgs,
                           transpose: bool) -> tuple[Float8Tensor, tuple[torch.Tensor, ...]] | None:
     """prologue(x) quantized by one fused kernel (+ what the prologue's backward needs), or None where the input
-    quantization needs prologue(x) in high precision: with the forced-overflow hook on (it reads it), for a cold
+    quantization needs prologue(x) in high precision: a quantizer without a fused kernel, with the forced-overflow hook
+    on (it reads it), for a cold
     delayed state of a TP-sharded input (whole-tensor amax), and under SP where the shard's cast is not local
-    (_fuses_sequence_shard). Telemetry stays fused: the kernel counts the cast's saturated/flushed elements itself."""
+    (Quantizer.fuses_sequence_shard). Telemetry stays fused: the kernel counts the cast's saturated/flushed elements."""
     recipe, layer = args.recipe, args.layer
-    if layer.forced_overflow_factor is not None:
+    quantizer = recipe.quantizer("input")
+    if layer.forced_overflow_factor is not None or not quantizer.has_fused_prologue:
         return None
     state = layer.scaling_state("input", recipe)
     scale = delayed_scale(state)
-    gran = recipe.granularity("input")
     x2d = x.reshape(-1, x.shape[-1])
-    if args.sp_input is not None and not _fuses_sequence_shard(x2d.shape[0], gran, scale, transpose):
+    if args.sp_input is not None and not quantizer.fuses_sequence_shard(x2d.shape[0], scale, transpose):
         return None
     if state is not None and scale is None and layer.sharded_amax_sync() is not None:
         return None
-    q, extras = args.prologue.quantize(x2d, *params, recipe.dtype("input"), gran,
-                                       power_of_2_scale=recipe.power_of_2_scale, scale=scale, transpose=transpose,
-                                       stats=layer.telemetry_enabled)
-    if state is not None and args.observe:
-        state.observe(q.amax)
-    fp8 = Float8Tensor.from_quantized(q, gran)
-    if layer.telemetry_enabled:
-        record_fp8_stats(layer, "input", fp8, q.counts, q.amax)
-    return fp8, extras
+    q, extras = quantizer.quantize_with_prologue(args.prologue, x2d, params, scale=scale, transpose=transpose,
+                                                 stats=layer.telemetry_enabled)
+    return _observed(q, "input", state, layer, args.observe), extras
 
 
-def _fuses_sequence_shard(rows: int, gran: Granularity, scale: torch.Tensor | None, transpose: bool) -> bool:
-    """Whether the fused kernel's cast of this rank's sequence shard is bit for bit what the unfused SP path
-    gathers (and, with `transpose`, keeps as its x^T shard), i.e. every scale group it uses lies in this shard:
-    tensorwise with a given scale (a warm delayed state: the same scale on every rank; its x^T shard is the local
-    bytes transposed); 1x128 when x^T is not needed or this rank's rows start and end on multiples of 128 (the
-    copy's 128-token groups are then this rank's own); rowwise only without x^T (a channel's scale spans every
-    rank's tokens). Current tensorwise scaling and cold delayed states need the amax over all ranks before the
-    cast: they keep the unfused path, as does rowwise/unaligned 1x128 with x^T."""
-    if gran is Granularity.TENSORWISE:
-        return scale is not None
-    if gran is Granularity.BLOCK_1X128:
-        return not transpose or rows % BLOCK == 0  # equal shards: rank * rows is then a multiple of 128 too
-    return not transpose
-
-
-def _cold_shard_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule) -> torch.Tensor | None:
+def _cold_shard_scale(x2d: torch.Tensor, quantizer: Quantizer, layer: Fp8GemmModule) -> torch.Tensor | None:
     """A cold delayed state's current scale for a tensor sharded over TP (weights, a row-parallel input, a
     column-parallel output gradient): from the MAX of the shards' amaxes, so the first step quantizes as
     the TP=1 run does and the amaxes it hands to update() match TP=1's. A local amax gave each rank its own
@@ -201,92 +184,16 @@ def _cold_shard_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp
         return None  # whole tensor (or TP=1): the quantizer takes this tensor's amax itself
     amax = x2d.detach().abs().amax().float()
     sync(amax)
-    return scale_from_amax(amax, fp8_format(recipe.dtype(role)).max, recipe.power_of_2_scale)
-
-
-def _agreed_scale(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: ScalingState | None,
-                  comm: SequenceParallelComm) -> torch.Tensor | None:
-    """The per-tensor scale every rank of a gather uses: the delayed one (already identical on every
-    rank), or current scaling from the MAX of the shards' amaxes. None for row/block groups (local)."""
-    scale = delayed_scale(state)
-    if scale is None and recipe.granularity(role) is Granularity.TENSORWISE:
-        amax = x2d.detach().abs().amax().float()
-        comm.sync_amax(amax)
-        scale = scale_from_amax(amax, fp8_format(recipe.dtype(role)).max, recipe.power_of_2_scale)
-    return scale
+    return quantizer.scale_from_amax(amax)
 
 
 def _gather_quantized(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp8GemmModule,
                       comm: SequenceParallelComm, observe: bool) -> tuple[Pending, Float8Tensor]:
     """Quantize this rank's sequence shard ONCE and start gathering its FP8 bytes (not BF16)."""
     state = layer.scaling_state(role, recipe)
-    scale = _agreed_scale(x2d, recipe, role, state, comm)
+    scale = recipe.quantizer(role).agreed_scale(x2d, delayed_scale(state), comm)
     local = quantize_operand(x2d, recipe, role, state, False, layer, scale=scale, observe=observe)
     return comm.gather_rows_async(local), local
-
-
-def _local_transposed_shard(x2d: torch.Tensor, local: Float8Tensor, recipe: Fp8Recipe, role: str,
-                            comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's columns of the full sequence's transposed FP8 copy, with the scales of the WHOLE copy.
-
-    The transposed copy's groups run along tokens, across every rank's rows (a row per channel for
-    rowwise, 1x128 token tiles for blockwise), so each rank takes the amax of its part of every group,
-    the group MAX-reduces them (a (in, groups) fp32 tensor, <= 1/32 of the FP8 bytes) and every rank
-    quantizes its own high-precision shard with the full group's scale: one rounding, bit-identical to
-    what a TP=1 run quantizes, and only the FP8 bytes need to be re-gathered for wgrad.
-    """
-    gran = local.granularity
-    if gran is Granularity.TENSORWISE:  # one scale, agreed before the gather: the same bytes, moved
-        return local.data.t().contiguous(), local.scale_inv
-    rows, cols = x2d.shape
-    total = rows * comm.size
-    if gran is Granularity.ROWWISE:
-        group = torch.zeros(rows, dtype=torch.long, device=x2d.device)
-    else:
-        group = torch.arange(comm.rank * rows, (comm.rank + 1) * rows, device=x2d.device) // BLOCK
-    xt = x2d.detach().t().float()
-    # Reductions, not a scatter of every element onto its group (a rowwise channel's tokens all on one address);
-    # NaN propagates, as in the quantizer.
-    if gran is Granularity.ROWWISE:
-        amax = xt.abs().amax(1, keepdim=True)
-    else:  # this shard's tokens padded out to whole 1x128 tiles of the full sequence (zeros change no MAX)
-        amax = xt.new_zeros(cols, math.ceil(total / BLOCK))
-        first, lead = divmod(comm.rank * rows, BLOCK)
-        tiles = F.pad(xt.abs(), (lead, -(lead + rows) % BLOCK)).view(cols, -1, BLOCK).amax(-1)
-        amax[:, first:first + tiles.shape[1]] = tiles
-    comm.sync_amax(amax)
-    fmt = fp8_format(recipe.dtype(role))
-    scale = scale_from_amax(amax, fmt.max, recipe.power_of_2_scale)
-    # x * scale is rounded exactly as the quantizer rounds it; a given scale of one only casts (saturating).
-    one = torch.ones((), device=xt.device)
-    data_t = quantize(xt * scale[:, group], fmt.dtype, Granularity.TENSORWISE, scale=one).data
-    return data_t, torch.ones_like(scale) / scale  # an IEEE reciprocal, as the quantizer's
-
-
-def _fused_transposed_shard(local: Float8Tensor, comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor]:
-    """_local_transposed_shard's result from a fused cast of the shard (see _fuses_sequence_shard): the bytes are
-    the kernel's own transposed copy; 1x128 scales are placed among the whole copy's and the group MAX-reduces
-    them (each group is one rank's, the others hold 0: the same collective as the unfused path's amax)."""
-    data_t, scale_t = local.col_major()
-    if local.granularity is Granularity.TENSORWISE:
-        return data_t, scale_t
-    groups = scale_t.shape[1]
-    full = scale_t.new_zeros(scale_t.shape[0], groups * comm.size)
-    # A NaN scale (an inf/NaN amax) travels as +inf: a MAX with another rank's 0 may drop a NaN (gloo's std::max,
-    # NCCL), never an inf; no finite amax gives an infinite 1/scale, so every inf is a NaN scale again after.
-    full[:, comm.rank * groups:(comm.rank + 1) * groups] = scale_t.nan_to_num(nan=float("inf"))
-    comm.sync_amax(full)
-    return data_t, full.masked_fill_(full == float("inf"), float("nan"))
-
-
-def _with_transposed_copy(full: Float8Tensor, power_of_2_scale: bool) -> Float8Tensor:
-    """Add the transposed copy of a gathered tensor. Tensorwise: the same bytes, moved. Row/1x128 groups of
-    the transposed copy span every rank's rows: re-quantize the gathered FP8 values straight into the
-    transposed layout (a second rounding, instead of gathering twice)."""
-    if full.granularity is Granularity.TENSORWISE:
-        return dataclasses.replace(full, data_t=full.data.t().contiguous(), scale_inv_t=full.scale_inv)
-    q = quantize(full.dequantize().t(), full.fp8_dtype, full.granularity, power_of_2_scale=power_of_2_scale)
-    return dataclasses.replace(full, data_t=q.data, scale_inv_t=q.scale_inv)
 
 
 def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
@@ -299,27 +206,29 @@ def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
-           column_scale: torch.Tensor | None, layouts: tuple[Granularity, Granularity]) -> torch.Tensor | None:
+def _wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
+           column_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """dW = dY^T @ x from the transposed copies (as row-major operands), accumulated into an fp32 `main_grad`
+    inside the GEMM where it can be."""
     main_grad = getattr(weight, "main_grad", None)
     if (main_grad is not None and main_grad.dtype == torch.float32 and column_scale is None
             and main_grad.is_contiguous()):
-        fp8_gemm_operands(dy_t, x_t, torch.float32, layouts, out=main_grad)  # accumulate inside the GEMM
+        scaled_gemm(dy_t, x_t, out_dtype=torch.float32, out=main_grad, accumulate=True)
         return None
-    grad = fp8_gemm_operands(dy_t, x_t, torch.float32, layouts)
+    grad = scaled_gemm(dy_t, x_t, out_dtype=torch.float32)
     if column_scale is not None:
         grad.mul_(column_scale)  # Smooth-SwiGLU: d(W/s)/dW = 1/s per column, exact for powers of two
     return route_grad(weight, grad)
 
 
-def _deferred_wgrad(dy_t: tuple[torch.Tensor, torch.Tensor], x_t: tuple[torch.Tensor, torch.Tensor],
-                    weight: torch.Tensor, args: Fp8LinearArgs, layouts: tuple[Granularity, Granularity]):
+def _deferred_wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor, args: Fp8LinearArgs):
     """The wgrad B queued for the W pass: the same GEMM on the same FP8 operands, run later."""
     def run() -> torch.Tensor | None:
-        data_t, scale_t = x_t
+        x_t_full = x_t
         if args.sp_input is not None:  # this rank's x^T columns: gathered over TP now, in W
-            data_t = args.sp_input.gather_cols_async(data_t).wait()
-        return _wgrad(dy_t, (data_t, scale_t), weight, args.wgrad_column_scale, layouts)
+            data_t = args.sp_input.gather_cols_async(x_t.data).wait()
+            x_t_full = dataclasses.replace(x_t, shape=tuple(data_t.shape), data=data_t)
+        return _wgrad(dy_t, x_t_full, weight, args.wgrad_column_scale)
     return run
 
 
@@ -328,15 +237,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, weight_fp8: Float8Tensor, args: Fp8LinearArgs, *prologue_params):
         recipe, layer, prologue = args.recipe, args.layer, args.prologue
         needs_wgrad = ctx.needs_input_grad[1]  # grad mode is off inside forward; ask autograd instead
+        x_quantizer = recipe.quantizer("input")
         raw, extras = x, ()
         fused = _fused_prologue_input(raw, prologue_params, args, needs_wgrad) if prologue is not None else None
         if prologue is not None and fused is None:
             x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
         x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
+
+        # ---- quantize x (and keep x^T for wgrad); under SP gather this rank's FP8 shard ----
         if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel
             local, extras = fused
             pending = args.sp_input.gather_rows_async(local)
-            x_t = _fused_transposed_shard(local, args.sp_input) if needs_wgrad else None
+            x_t = x_quantizer.transposed_fused_shard(local, args.sp_input) if needs_wgrad else None
             x_fp8 = pending.wait()
         elif fused is not None:
             x_fp8, extras = fused
@@ -346,24 +258,25 @@ class _Fp8LinearFunction(torch.autograd.Function):
             pending, local = _gather_quantized(x2d, recipe, "input", layer, args.sp_input, args.observe)
             # Only this rank's shard of x^T is kept (Megatron/TE keep the local shard too); built while
             # the gather is in flight.
-            x_t = _local_transposed_shard(x2d, local, recipe, "input", args.sp_input) if needs_wgrad else None
+            x_t = x_quantizer.transposed_sequence_shard(x2d, local, args.sp_input) if needs_wgrad else None
             x_fp8 = pending.wait()
         else:
             x2d = x.reshape(-1, x.shape[-1])
             x_fp8 = quantize_operand(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer,
                                      observe=args.observe)
             x_t = x_fp8.col_major() if needs_wgrad else None
-        y = fp8_gemm_operands(x_fp8.row_major(), weight_fp8.row_major(), x_dtype,
-                              (x_fp8.granularity, weight_fp8.granularity), bias, fast_accum=recipe.fast_accum("fprop"))
+
+        # ---- fprop GEMM; a row-parallel output is reduce-scattered to this rank's sequence shard ----
+        y = scaled_gemm(x_fp8, weight_fp8, out_dtype=x_dtype, bias=bias, fast_accum=recipe.fast_accum("fprop"))
         if args.sp_output is not None:
-            y = args.sp_output.reduce_scatter_rows_async(y).wait()  # partial sums -> this rank's sequence shard
+            y = args.sp_output.reduce_scatter_rows_async(y).wait()
 
         deferral = getattr(layer, "wgrad_deferral", None)
         if deferral is not None and needs_wgrad and args.observe:
             deferral.expect(weight)  # a zero-bubble stage's W pass delivers this gradient (deferred_wgrad.py)
         # The leaf itself: a recomputed forward's saved copy of it (torch.utils.checkpoint) is another object.
         ctx.args, ctx.weight_fp8, ctx.weight_param = args, weight_fp8, weight  # the module owns the FP8 weight
-        ctx.x_dtype, ctx.x_shape, ctx.x_granularity = x_dtype, x_shape, x_fp8.granularity
+        ctx.x_dtype, ctx.x_shape, ctx.x_kind = x_dtype, x_shape, (x_fp8.format, x_fp8.layout)
         # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
         ctx.save_for_backward(*(x_t or (None, None)), weight, bias,
                               *((raw, *prologue_params, *extras) if prologue else ()))
@@ -383,11 +296,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_t_pending = args.sp_input.gather_cols_async(x_t) if needs_wgrad and args.sp_input is not None \
             and not defer else None
 
+        # ---- quantize dY (with dY^T for wgrad); under SP gather the output-gradient shard ----
         dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         if args.sp_output is not None:
             pending, _ = _gather_quantized(dy2d, recipe, "grad_output", layer, args.sp_output, args.observe)
             dy_fp8 = pending.wait()
-            dy_fp8 = _with_transposed_copy(dy_fp8, recipe.power_of_2_scale) if needs_wgrad else dy_fp8
+            dy_fp8 = recipe.quantizer("grad_output").with_transposed_copy(dy_fp8) if needs_wgrad else dy_fp8
         else:
             dy_fp8 = quantize_operand(dy2d, recipe, "grad_output", layer.scaling_state("grad_output", recipe),
                                       needs_wgrad, layer, observe=args.observe)
@@ -395,8 +309,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # ---- dgrad: dX = dY @ W, reduced over TP (SP: reduce-scatter, else all-reduce) in the background ----
         dgrad_pending = None
         if needs_dgrad:
-            grad_input = fp8_gemm_operands(dy_fp8.row_major(), ctx.weight_fp8.col_major(), ctx.x_dtype,
-                                           (dy_fp8.granularity, ctx.weight_fp8.granularity))
+            grad_input = scaled_gemm(dy_fp8, ctx.weight_fp8.t(), out_dtype=ctx.x_dtype)
             if args.sp_input is not None:
                 dgrad_pending = args.sp_input.reduce_scatter_rows_async(grad_input)
             elif args.tp_input is not None:
@@ -404,17 +317,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 dgrad_pending = _Done(grad_input)
 
-        # ---- wgrad: dW = dY^T @ x, while dgrad's reduction is in flight ----
+        # ---- wgrad: dW = dY^T @ x, while dgrad's reduction is in flight (or deferred to the W pass) ----
         grad_weight = None
-        wgrad_layouts = (dy_fp8.granularity, ctx.x_granularity)
+        if needs_wgrad:
+            x_format, x_layout = ctx.x_kind
+            x_t_operand = Float8Tensor(tuple(x_t.shape), x_format, x_layout, x_t, x_scale_t)
         if defer:
-            deferral.push(ctx.weight_param,
-                          _deferred_wgrad(dy_fp8.col_major(), (x_t, x_scale_t), ctx.weight_param, args, wgrad_layouts),
+            deferral.push(ctx.weight_param, _deferred_wgrad(dy_fp8.t(), x_t_operand, ctx.weight_param, args),
                           (*dy_fp8.col_major(), x_t, x_scale_t))
         elif needs_wgrad:
             if x_t_pending is not None:
-                x_t = x_t_pending.wait()
-            grad_weight = _wgrad(dy_fp8.col_major(), (x_t, x_scale_t), weight, args.wgrad_column_scale, wgrad_layouts)
+                data_t = x_t_pending.wait()
+                x_t_operand = dataclasses.replace(x_t_operand, shape=tuple(data_t.shape), data=data_t)
+            grad_weight = _wgrad(dy_fp8.t(), x_t_operand, weight, args.wgrad_column_scale)
 
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
@@ -446,17 +361,6 @@ class _BiasAdd(torch.autograd.Function):
 def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """y + bias, with the bias gradient routed into `bias.main_grad` when it exists (see route_grad)."""
     return _BiasAdd.apply(y, bias)
-
-
-def fp8_gemm_operands(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
-                      out_dtype: torch.dtype, layouts: tuple[Granularity, Granularity],
-                      bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      fast_accum: bool = False) -> torch.Tensor:
-    """fp8_gemm on (data, scale_inv) pairs whose scale layouts are `layouts` (declared, so the GEMM's mode is
-    never guessed from the scale shapes); with `out` the product is accumulated into it. `fast_accum` is the
-    recipe's choice for fprop (Fp8Recipe.fast_accum); dgrad and wgrad keep fp32 promotion."""
-    return fp8_gemm(a[0], b[0], a[1], b[1], out_dtype=out_dtype, bias=bias, out=out, accumulate=out is not None,
-                    fast_accum=fast_accum, layouts=layouts)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_fp8: Float8Tensor,

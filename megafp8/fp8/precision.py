@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .linear import Fp8GemmModule
+from .precision_plan import CONFIG, plan_of
 from .recipe import Fp8Recipe
 
 
@@ -25,12 +26,18 @@ def layer_recipes(num_layers: int, recipe: Fp8Recipe | None, first_last_layers_b
 
 
 def apply_precision_map(blocks: Sequence[nn.Module], recipes: Sequence[Fp8Recipe | None]) -> None:
-    """Give every FP8-capable linear in block i the recipe recipes[i]; None forces high precision."""
+    """Give every FP8-capable linear in block i the recipe recipes[i]; None forces high precision. Through the layer's
+    PrecisionPlan when it has one (the plan then projects the same flags), else written on the layer directly."""
     if len(blocks) != len(recipes):
         raise ValueError(f"{len(blocks)} blocks but {len(recipes)} recipes")
     for block, recipe in zip(blocks, recipes):
         for module in block.modules():
-            if isinstance(module, Fp8GemmModule):
-                module.force_high_precision = recipe is None
-                if recipe is not None:
-                    module.set_recipe(recipe)
+            if not isinstance(module, Fp8GemmModule):
+                continue
+            plan = plan_of(module)
+            if plan is not None:
+                plan.set_recipe(plan.name_of(module), recipe, CONFIG)
+                continue
+            module.force_high_precision = recipe is None
+            if recipe is not None:
+                module.set_recipe(recipe)

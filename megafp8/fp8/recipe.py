@@ -1,18 +1,68 @@
-"""FP8 recipes: which scaling, which formats, how delayed scales update. One frozen dataclass, per run or per layer."""
+"""FP8 recipes: which scaling, which formats, how delayed scales update. One frozen dataclass, per run or per layer;
+it hands out a Quantizer per (role, GEMM) from the scaling rule registered under its name (`--fp8-recipe`'s choices)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
-from megafp8_kernels import Granularity
+from megafp8_kernels import Granularity, ScaleLayout, element_format
+from megafp8_kernels.formats import BLOCK_1X128, BLOCK_128X128, PER_ROW, PER_TENSOR
 
-SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise")
+from .quantizer import Quantizer
+
 FORMATS = ("e4m3", "hybrid")
 AMAX_ALGOS = ("max", "most_recent")
 ROLES = ("input", "weight", "grad_output")  # the three FP8 tensors of a linear layer
+GEMMS = ("fprop", "dgrad", "wgrad")
+# Which GEMMs read each role: the row-major copy feeds the first, the transposed copy the second.
+ROLE_GEMMS = {"input": ("fprop", "wgrad"), "weight": ("fprop", "dgrad"), "grad_output": ("dgrad", "wgrad")}
+
+
+@dataclass(frozen=True)
+class ScalingRule:
+    """One `--fp8-recipe` entry: what a recipe with this `scaling` quantizes each (role, GEMM) with.
+
+    layout:          (role, gemm) -> the scale layout of that operand
+    keeps_state:     scales come from per-role state (an amax history: delayed scaling) instead of the tensor now
+    fast_accum:      its GEMMs may skip fp32 promotion in fprop (tensorwise/rowwise kernels; block scales promote
+                     every K block by construction)
+    default_format:  the --fp8-format it implies when the user names none for it (blockwise: e4m3)
+    quantizer:       the Quantizer class (a new format brings its own cast)
+    """
+
+    layout: Callable[[str, str], ScaleLayout]
+    keeps_state: bool = False
+    fast_accum: bool = True
+    default_format: str | None = None
+    quantizer: type[Quantizer] = Quantizer
+
+
+SCALING_RULES: dict[str, ScalingRule] = {
+    "delayed": ScalingRule(lambda role, gemm: PER_TENSOR, keeps_state=True),
+    "tensorwise": ScalingRule(lambda role, gemm: PER_TENSOR),
+    "rowwise": ScalingRule(lambda role, gemm: PER_ROW),
+    # DeepSeek-V3: 1x128 tiles for inputs and gradients, 128x128 for weights (the same tile for fprop and dgrad);
+    # E4M3 for gradients too: 1x128 groups leave E5M2's extra range unneeded.
+    "blockwise": ScalingRule(lambda role, gemm: BLOCK_128X128 if role == "weight" else BLOCK_1X128, fast_accum=False,
+                             default_format="e4m3"),
+}
+SCALINGS = tuple(SCALING_RULES)  # the built-in recipes (the bit fingerprint covers each)
+
+
+def register_scaling(name: str, rule: ScalingRule) -> None:
+    """Add a recipe: `Fp8Recipe(scaling=name)` and `--fp8-recipe name` (for parsers built after this call) use it."""
+    if name in SCALING_RULES:
+        raise ValueError(f"an FP8 recipe named {name!r} is already registered")
+    SCALING_RULES[name] = rule
+
+
+def scaling_names() -> tuple[str, ...]:
+    """Every registered recipe name: `--fp8-recipe`'s choices."""
+    return tuple(SCALING_RULES)
 
 
 @dataclass(frozen=True)
@@ -33,7 +83,7 @@ class Fp8Recipe:
                         every 128 of K by construction. CUDA only: the CPU reference GEMM is exact either way.
     """
 
-    scaling: Literal["delayed", "tensorwise", "rowwise", "blockwise"] = "delayed"
+    scaling: str = "delayed"  # a SCALING_RULES name: delayed, tensorwise, rowwise, blockwise or a registered one
     fp8_format: Literal["e4m3", "hybrid"] = "hybrid"
     amax_history_len: int = 1024
     amax_compute_algo: Literal["max", "most_recent"] = "max"
@@ -42,8 +92,8 @@ class Fp8Recipe:
     fprop_fast_accum: bool = True
 
     def __post_init__(self):
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"--fp8-recipe {self.scaling!r} is not one of {', '.join(SCALINGS)}")
+        if self.scaling not in SCALING_RULES:
+            raise ValueError(f"--fp8-recipe {self.scaling!r} is not one of {', '.join(SCALING_RULES)}")
         if self.fp8_format not in FORMATS:
             raise ValueError(f"--fp8-format {self.fp8_format!r} is not one of {', '.join(FORMATS)}")
         if self.amax_compute_algo not in AMAX_ALGOS:
@@ -68,8 +118,13 @@ class Fp8Recipe:
 
     @classmethod
     def blockwise(cls, **kw) -> Fp8Recipe:
-        # DeepSeek-V3 uses E4M3 for gradients too: 1x128 groups leave E5M2's extra range unneeded.
-        return cls(scaling="blockwise", **{"fp8_format": "e4m3", **kw})
+        return cls.named("blockwise", **kw)
+
+    @classmethod
+    def named(cls, scaling: str, **kw) -> Fp8Recipe:
+        """The recipe registered as `scaling`, with its rule's default format unless `fp8_format` is given."""
+        default_format = SCALING_RULES[scaling].default_format if scaling in SCALING_RULES else None
+        return cls(scaling=scaling, **{**({"fp8_format": default_format} if default_format else {}), **kw})
 
     @classmethod
     def from_args(cls, args) -> Fp8Recipe | None:
@@ -92,8 +147,21 @@ class Fp8Recipe:
 
     # ---- what the linear layer asks ----
     @property
+    def rule(self) -> ScalingRule:
+        return SCALING_RULES[self.scaling]
+
+    def quantizer(self, role: str, gemm: str | None = None) -> Quantizer:
+        """The quantizer of `role`'s operand in `gemm` (default: the GEMM its row-major copy feeds, ROLE_GEMMS)."""
+        return _quantizer(self, role, gemm or ROLE_GEMMS[role][0])
+
+    def keeps_state(self, role: str) -> bool:
+        """Whether `role`'s scale comes from per-layer state (an amax history) rather than the tensor at hand."""
+        return self.rule.keeps_state
+
+    @property
     def is_delayed(self) -> bool:
-        return self.scaling == "delayed"
+        """Any role keeps scaling state (the layers then own ScalingStates, and a manager reduces their amaxes)."""
+        return any(self.keeps_state(role) for role in ROLES)
 
     def dtype(self, role: str) -> torch.dtype:
         if role == "grad_output" and self.fp8_format == "hybrid":
@@ -102,11 +170,15 @@ class Fp8Recipe:
 
     def fast_accum(self, gemm: str) -> bool:
         """Whether GEMM `gemm` (fprop, dgrad, wgrad) accumulates fast (see `fprop_fast_accum`)."""
-        return gemm == "fprop" and self.fprop_fast_accum and self.scaling != "blockwise"
+        return gemm == "fprop" and self.fprop_fast_accum and self.rule.fast_accum
 
-    def granularity(self, role: str) -> Granularity:
-        if self.scaling in ("delayed", "tensorwise"):
-            return Granularity.TENSORWISE
-        if self.scaling == "rowwise":
-            return Granularity.ROWWISE
-        return Granularity.BLOCK_128X128 if role == "weight" else Granularity.BLOCK_1X128
+    def granularity(self, role: str) -> Granularity | ScaleLayout:
+        """The layout of `role`'s row-major copy, by its Granularity name where it has one."""
+        return self.quantizer(role).granularity
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(recipe: Fp8Recipe, role: str, gemm: str) -> Quantizer:
+    # Cached: the linear layer asks on every call, and recipes are frozen (a registered rule is never replaced).
+    rule = recipe.rule
+    return rule.quantizer(element_format(recipe.dtype(role)), rule.layout(role, gemm), recipe.power_of_2_scale)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -227,6 +228,18 @@ class FlatScalingBuffers:
         self.pending.zero_()
 
 
+@dataclass
+class ScalingSnapshot:
+    """Fp8ScalingManager.snapshot(): three flat copies whatever the layer count, and the host-side marks."""
+
+    states: list[ScalingState]  # in the flat buffers' row order
+    history: torch.Tensor
+    scale: torch.Tensor
+    pending: torch.Tensor
+    updates: int  # the update clock
+    marks: list[tuple[bool, int | None, int]]  # per state: warm, first observe while cold, scale writes
+
+
 class Fp8ScalingManager:
     """Owns the once-per-step delayed-scaling update of a whole model (or pipeline stage).
 
@@ -267,6 +280,28 @@ class Fp8ScalingManager:
             self._flat = FlatScalingBuffers(states, self._clock) if states else None
             self._built_for_layout = ScalingState.layout_version
         return self._flat
+
+    def snapshot(self, to_host: Callable[[torch.Tensor], torch.Tensor]) -> ScalingSnapshot | None:
+        """Everything update() and the layers' observe() change: the flat histories, scales and pending amaxes
+        (copied by `to_host`), the update clock and each state's cold/warm marks and scale-write count (the scale
+        version FP8 weights are cached and injected under). None without FP8 delayed-scaling states."""
+        flat = self._flat_buffers()
+        if flat is None:
+            return None
+        return ScalingSnapshot(list(flat.states), to_host(flat.history), to_host(flat.scale), to_host(flat.pending),
+                               self._clock.updates, [(s._warm, s._observed_at, s._scale_writes) for s in flat.states])
+
+    def restore(self, snapshot: ScalingSnapshot, copy_back: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Back to `snapshot` (the same states: a layer added or removed since is refused)."""
+        flat = self._flat_buffers()
+        if flat is None or flat.states != snapshot.states:
+            raise RuntimeError("restoring FP8 scaling state: the model's scaling states changed since the snapshot")
+        for target, host in ((flat.history, snapshot.history), (flat.scale, snapshot.scale),
+                             (flat.pending, snapshot.pending)):
+            copy_back(target, host)
+        self._clock.updates = snapshot.updates
+        for state, (warm, observed_at, scale_writes) in zip(flat.states, snapshot.marks):
+            state._warm, state._observed_at, state._scale_writes = warm, observed_at, scale_writes
 
     def _require_group(self) -> None:
         if self.amax_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -50,8 +50,9 @@ class Fp8TensorStats(NamedTuple):
 def record_fp8_stats(layer: nn.Module, role: str, fp8, counts: torch.Tensor, amax: torch.Tensor) -> None:
     """Keep this quantization's statistics on `layer` under `role` (input, weight, grad_output): the tensors
     the quantizer returned with stats=True, no op of its own."""
-    data, scale_inv = fp8.row_major()
-    layer.fp8_telemetry[role] = Fp8TensorStats(amax, scale_inv, counts, data.numel())
+    _, scale_inv = fp8.row_major()
+    # Elements of the logical tensor, not of the payload (a packed 4-bit payload holds two per byte).
+    layer.fp8_telemetry[role] = Fp8TensorStats(amax, scale_inv, counts, fp8.logical_numel)
 
 
 def enable_fp8_telemetry(model: nn.Module, enabled: bool = True) -> None:
@@ -145,6 +146,26 @@ class SaturationGuard:
         # layer index and numel, and per layer strikes / tripped / the iteration and fraction it tripped at.
         self._start([], [])
 
+    def snapshot(self) -> dict:
+        """The guard between two checks, for a step re-run: host strikes and switches, its device tensors (replaced,
+        never written into, at each check: holding them is a snapshot) and its lagged-flag ring's count. Reads no
+        device value."""
+        return {"strikes": dict(self.strikes), "switched": set(self.switched), "events": list(self.events),
+                "_messages": list(self._messages), "_layers": self._layers, "_structure": self._structure,
+                "_numels": self._numels, "_unread": self._unread, "_device": dict(self._device),
+                "_flags": self._flags, "flag_count": self._flags.count}
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to `snapshot`; refused once a layer was switched to high precision since (that is not undone)."""
+        if self.switched != snapshot["switched"]:
+            raise RuntimeError("the saturation guard switched layers to high precision since the snapshot "
+                               f"({sorted(self.switched - snapshot['switched'])}); a re-run must go back before the "
+                               "optimizer step's guard check")
+        for name, value in snapshot.items():
+            if name != "flag_count":
+                setattr(self, name, type(value)(value) if isinstance(value, (dict, set, list)) else value)
+        self._flags.count = snapshot["flag_count"]
+
     def check(self, model: nn.Module, iteration: int | None = None) -> list[str]:
         layers, stats = self._checked(model)
         if ([n for n, _ in layers], [i for i, _ in stats]) != self._structure:
@@ -218,7 +239,7 @@ class SaturationGuard:
             self.strikes[name] = int(strikes)
             if not tripped:
                 continue
-            module.guard_high_precision = True
+            _demote(module)
             module.fp8_telemetry.clear()
             self.switched.add(name)
             switched = True
@@ -248,6 +269,14 @@ class SaturationGuard:
         for name in state.get("switched", []):
             if name not in modules:
                 raise KeyError(f"saturation guard state names layer {name!r}, which this model does not have")
-            modules[name].guard_high_precision = True
+            _demote(modules[name])
             modules[name].fp8_telemetry.clear()
             self.switched.add(name)  # so the next checkpoint keeps it
+
+
+def _demote(layer: nn.Module) -> None:
+    """The guard's switch, through the layer's PrecisionPlan (which projects guard_high_precision and tells its
+    followers)."""
+    from .precision_plan import demote_layer  # here: precision_plan imports the linear, whose op imports this module
+
+    demote_layer(layer)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from megafp8.fp8 import Fp8Recipe, apply_precision_map, layer_recipes
+from megafp8.fp8 import CONFIG, Fp8Recipe, PrecisionPlan, apply_precision_map, layer_recipes
 from megafp8.model.attention import SelfAttention
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import hidden_dropout_add
@@ -123,7 +123,10 @@ class GPTModel(nn.Module):
                 params_dtype=config.params_dtype, perform_initialization=False)
             if config.tie_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True
-            self.output_layer.force_high_precision = True  # the logits GEMM stays high precision
+        # The model owns its plan: every later precision change (the guard, a schedule) goes through it.
+        self.precision_plan = PrecisionPlan(self)
+        if post_process:
+            self.precision_plan.set_recipe("output_layer", None, CONFIG)  # the logits GEMM stays high precision
         if fp8_recipe is not None:
             recipes = layer_recipes(config.num_layers, fp8_recipe, first_last_layers_bf16)
             apply_precision_map(list(self.layers.values()), [recipes[int(i)] for i in self.layers])

@@ -35,6 +35,7 @@ from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim import fused_adamw, fused_adamw_coded
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.optimizer_checkpoint import load_optimizer_state_dicts, optimizer_state_dict
+from megafp8.optim.precision_follower import PrecisionFollower
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
 from megafp8.optim.storage_layout import Fragment, StorageLayout
 from megafp8.optim.storage_slabs import STEP_SLAB, StorageSlab
@@ -47,6 +48,15 @@ from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel, tens
 MASTER_DTYPES = ("fp32", "fp16")
 FP16_SCALE_LOW, FP16_SCALE_HIGH, FP16_SCALE_TARGET = 8, 13, 10  # log2 of amax * scale
 FUSED_ENV = "MEGAFP8_FUSED_OPTIMIZER"  # 1: the fused Triton step (on a CPU: under TRITON_INTERPRET); 0: never
+
+
+@dataclass
+class GradStats:
+    """What ``DistributedOptimizer.prepare`` found in the reduced grads, as device tensors (no host sync)."""
+
+    grad_norm: torch.Tensor        # fp64, 0-dim: the global grad norm before clipping
+    finite: torch.Tensor           # bool, 0-dim: no NaN/inf anywhere (else ``apply`` keeps every stored state)
+    clip: torch.Tensor | None      # fp32, 0-dim: the factor --clip-grad scales the grads by; None without it
 
 
 @dataclass
@@ -130,12 +140,10 @@ class DistributedOptimizer:
                                if coded else None)
         self._init_master()
         ddp.release_fp8_param_storage()  # the master now holds those values
-        self._publish()
+        self.publish()
         ddp.finish_param_sync()
-        # The training loop runs the saturation guard after the step, so a layer it switches has only FP8 bytes
-        # until the next publish: its first forward fetches its high-precision weight instead.
-        self._hook_handles = [info.module.register_forward_pre_hook(self._apply_guard_switches)
-                              for info in ddp.fp8_params.values()]
+        # Precision changes after this (the guard's, a schedule's) reach the FP8-gathered weights before their next use.
+        self._precision_follower = PrecisionFollower(self)
 
     def _choose_fused_step(self, requested: bool | None, device: torch.device) -> bool:
         if requested is None:
@@ -145,6 +153,10 @@ class DistributedOptimizer:
         if requested and not fused_adamw.AVAILABLE:
             raise ValueError("the fused optimizer step needs Triton, which is not installed")
         return requested
+
+    def device_counters(self) -> dict[str, torch.Tensor]:
+        """The step and skipped counts as the device holds them (read without a sync; a step re-run restores them)."""
+        return {"step": self._step, "skipped": self._skipped}
 
     @property
     def step_count(self) -> int:
@@ -232,7 +244,7 @@ class DistributedOptimizer:
         state: --finetune, --no-load-optim), taking ``owned[name]`` (this rank's range, as from
         ``owned_master_weights``) for parameters without high-precision storage; then publish them."""
         self._init_master(owned)
-        self._publish()
+        self.publish()
 
     # ---- the step -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -269,15 +281,28 @@ class DistributedOptimizer:
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         """One AdamW step with learning rate ``lr``, and ``decoupled_lr`` for the ``decoupled_lr_params`` (None: ``lr``
         for all); the training loop owns the schedules. Skipped (every stored state kept) when the global grad norm
-        is not finite; every rank sees the same all-reduced norm."""
+        is not finite; every rank sees the same all-reduced norm. ``prepare`` then ``apply``."""
+        return self.apply(lr, self.prepare(), decoupled_lr=decoupled_lr)
+
+    @torch.no_grad()
+    def prepare(self) -> GradStats:
+        """The step's first half, which changes no parameter and no optimizer state: finish the DP grad reduction
+        and the parameter gather, then the global grad norm, its finite flag and the clip factor (device tensors,
+        no host sync). Until ``apply`` the step can still be dropped and re-run (megafp8.training.step_state)."""
         self.ddp.finish_grad_sync()
         self.ddp.finish_param_sync()  # no gather may still be writing into the parameters
         norm = self.grad_norm_squared().sqrt()
-        finite = torch.isfinite(norm)
         clip = None
         if self.clip_grad > 0:  # the python rule clip_grad / (norm + 1e-6), in fp64 as before, then fp32
             shifted = norm + 1e-6
             clip = torch.where(shifted > self.clip_grad, torch.full_like(shifted, self.clip_grad) / shifted, 1.0).float()
+        return GradStats(norm, torch.isfinite(norm), clip)
+
+    @torch.no_grad()
+    def apply(self, lr: float, stats: GradStats, decoupled_lr: float | None = None) -> StepResult:
+        """The step's second half: the AdamW update from ``prepare``'s ``stats`` (kept states where they say
+        non-finite), the counters, and the publication of the new weights (see ``step`` for the LRs)."""
+        norm, finite, clip = stats.grad_norm, stats.finite, stats.clip
         step = self._step + 1  # this update's count, committed only if finite
         beta1, beta2 = self.betas
         powers = torch.pow(self._betas, step.double())
@@ -316,7 +341,7 @@ class DistributedOptimizer:
         self._skipped += ~finite
         # Always published (a skipped step publishes the same weights): FP8 weights are cast again under the
         # scales this step's update() set, as a run resumed from this step's checkpoint casts them.
-        self._publish()
+        self.publish()
         return StepResult(~finite, norm)
 
     def _fp16_tables(self, step: torch.Tensor) -> Fp16Master | None:
@@ -354,7 +379,7 @@ class DistributedOptimizer:
         self.master_scale.copy_(new_scales)
 
     # ---- publishing the new weights -------------------------------------------------------------
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Write every owned shard into the model (high precision, or FP8 bytes for FP8 layers under
         --fp8-param-gather), then start the DP all-gather. A layer the saturation guard switched (in this
         run, or in the run a checkpoint came from) is published in high precision."""
@@ -382,10 +407,10 @@ class DistributedOptimizer:
                 torch._foreach_copy_([views[k] for k in picks], [parts[k] for k in picks])
         for frag in self.fragments:
             if frag.param not in self.ddp.fp8_params and frag.bucket not in whole:
-                self._write_high_precision(frag)
+                self.write_high_precision(frag)
         if self.ddp.fp8_params:
             if self._fp8_publication is None or self._fp8_publication.key != publication_key(self.ddp.fp8_params):
-                self._fp8_publication = Fp8Publication(self)  # built once, again when the guard switches a weight
+                self._fp8_publication = Fp8Publication(self)  # built once, again when a plan moves a gathered weight
             self._fp8_publication.publish()
         self.ddp.start_param_sync()
 
@@ -422,22 +447,13 @@ class DistributedOptimizer:
         scales = torch.cat([self.master_scale, self.master_scale.new_ones(1)])[self._frag_of_group[self._groups(start, n)]]
         return (values.view(-1, GROUP) / scales[:, None]).view(-1)
 
-    def _write_high_precision(self, frag: Fragment) -> None:
+    def drop_fp8_publication(self) -> None:
+        """Forget the FP8 publication (a precision plan changed a gathered weight's recipe): the next publish builds it."""
+        self._fp8_publication = None
+
+    def write_high_precision(self, frag: Fragment) -> None:
         for b, s, n, _pl in self._chunks(frag):
             self.ddp.param_shard_view(frag.param, b, n).copy_(self._decode_master(frag, s, n))
-
-    @torch.no_grad()
-    def _apply_guard_switches(self, module: nn.Module, _args) -> None:
-        """Forward pre-hook of each layer whose weight is gathered as FP8 bytes: once the guard switched it,
-        every switched weight gets its high-precision values (the master as of the last step) before use."""
-        if not module.runs_high_precision or module.weight not in self.ddp.fp8_params:
-            return
-        switched = self.ddp.take_guard_switches()
-        params = {sw.param for sw in switched}
-        for frag in self.fragments:
-            if frag.param in params:
-                self._write_high_precision(frag)
-        self.ddp.gather_switched_weights(switched)
 
     # ---- accounting -----------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
@@ -460,7 +476,7 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dicts: dict | list[dict]) -> None:
         """Load from the state dicts of every DP rank of the saving run (same TP/PP position), any DP size."""
         load_optimizer_state_dicts(self, [state_dicts] if isinstance(state_dicts, dict) else list(state_dicts))
-        self._publish()
+        self.publish()
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from megafp8.optim.fp8_param_cast import cast_to_fp8, element_groups, group_divi
 from megafp8.optim.state_codec import GROUP
 from megafp8.optim.storage_slabs import STEP_SLAB, cut_into_slabs
 from megafp8.parallel import collectives as C
+from megafp8.parallel.grad_buffer import BYTE_BITS
 from megafp8_kernels import fp8_format, scale_from_amax, scale_shape
 
 SLAB_GROUPS = STEP_SLAB // GROUP  # the step's slab: bounds the per-element temporaries, not the op count's growth
@@ -72,7 +73,8 @@ class _ScalePlan:
 
 
 class Fp8Publication:
-    """Publishes the FP8 weights of ``opt.ddp.fp8_params`` (rebuilt by the optimizer when that set changes)."""
+    """Publishes the FP8 weights of ``opt.ddp.fp8_params`` (rebuilt by the optimizer when that set or a recipe in it
+    changes: the precision plans' changes)."""
 
     def __init__(self, opt) -> None:
         ddp = opt.ddp
@@ -97,6 +99,9 @@ class Fp8Publication:
         self.frag_table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.lane = torch.arange(GROUP, device=device)
         runs = _contiguous_runs(fp8_frags)
+        packed = sorted({bucket.fp8_bits for _g0, _n, bucket, _pos in runs} - {BYTE_BITS})
+        if packed:  # the offsets count bytes already; the cast writes one byte per element
+            raise NotImplementedError(f"--fp8-param-gather publishes one byte per element, not {packed}-bit weights")
         self.fused = _fused_tables(runs, self.dtypes, device) if opt.fused_step and runs else None
         self.slabs = [] if self.fused is not None else _make_slabs(runs, device)
         # The layers' dequantization scales: views of one flat tensor, rewritten in place by every publish.
@@ -271,20 +276,23 @@ class Fp8Publication:
             scale.index_copy_(0, plan.current_slots, current)
 
 
-def publication_key(fp8_params) -> tuple[int, ...]:
-    """Which weights a publication was built for (ids: comparing Parameters would compare their values)."""
-    return tuple(map(id, fp8_params))
+def publication_key(fp8_params) -> tuple[tuple[int, object], ...]:
+    """Which weights, under which recipes, a publication was built for (ids: comparing Parameters would compare
+    their values); a precision plan moving a gathered weight to another recipe changes it too."""
+    return tuple((id(p), info.recipe) for p, info in fp8_params.items())
 
 
 def _contiguous_runs(fp8_frags) -> list[list]:
     """[first storage group, groups, bucket, first byte] of each run of storage groups whose bytes are contiguous
-    in one bucket's fp8_data (a fragment's last group is written whole: the bucket pads every parameter to 128)."""
+    in one bucket's fp8_data (a fragment's last group is written whole: the bucket pads every parameter to 128).
+    Offsets count bytes (Bucket.fp8_bytes), which a packed format makes fewer than elements."""
     runs = []
     for frag in fp8_frags:
         g0, n = frag.storage_lo // GROUP, -(-frag.numel // GROUP)
-        bucket, pos = frag.bucket, frag.bucket_lo
+        bucket, pos = frag.bucket, frag.bucket.fp8_bytes(frag.bucket_lo)
         last = runs[-1] if runs else None
-        if last and last[0] + last[1] == g0 and last[2] is bucket and last[3] + last[1] * GROUP == pos:
+        if last and last[0] + last[1] == g0 and last[2] is bucket \
+                and last[3] + bucket.fp8_bytes(last[1] * GROUP) == pos:
             last[1] += n
         else:
             runs.append([g0, n, bucket, pos])
@@ -296,17 +304,21 @@ def _fused_tables(runs, dtypes, device) -> _FusedTables:
     position = {id(bucket): k for k, bucket in enumerate(buckets)}
     groups = torch.cat([torch.arange(g0, g0 + n) for g0, n, _bucket, _pos in runs])
     dest_buffer = torch.cat([torch.full((n,), position[id(bucket)]) for _g0, n, bucket, _pos in runs])
-    dest_offset = torch.cat([torch.arange(pos, pos + n * GROUP, GROUP) for _g0, n, _bucket, pos in runs])
+    dest_offset = torch.cat([torch.arange(pos, pos + bucket.fp8_bytes(n * GROUP), bucket.fp8_bytes(GROUP))
+                             for _g0, n, bucket, pos in runs])
     return _FusedTables(groups.to(device), dest_buffer.to(device), dest_offset.to(device), buckets,
                         fused_fp8_publication.format_ids(dtypes))
 
 
 def _make_slabs(runs, device) -> list[_Slab]:
-    """The runs cut into slabs of up to SLAB_GROUPS groups."""
-    runs = [(g0, n, bucket.fp8_data, pos) for g0, n, bucket, pos in runs]
+    """The runs cut into slabs of up to SLAB_GROUPS groups (each group's bytes: its bucket's fp8_bytes(GROUP))."""
     slabs = []
-    for pieces in cut_into_slabs([n for _g0, n, _data, _pos in runs], SLAB_GROUPS):
+    for pieces in cut_into_slabs([n for _g0, n, _bucket, _pos in runs], SLAB_GROUPS):
         groups = [torch.arange(runs[r][0] + offset, runs[r][0] + offset + n) for r, offset, n in pieces]
-        dests = [runs[r][2][runs[r][3] + offset * GROUP:runs[r][3] + (offset + n) * GROUP] for r, offset, n in pieces]
-        slabs.append(_Slab(torch.cat(groups).to(device), dests, [n * GROUP for _r, _offset, n in pieces]))
+        dests = []
+        for r, offset, n in pieces:
+            _g0, _n, bucket, pos = runs[r]
+            group_bytes = bucket.fp8_bytes(GROUP)
+            dests.append(bucket.fp8_data[pos + offset * group_bytes:pos + (offset + n) * group_bytes])
+        slabs.append(_Slab(torch.cat(groups).to(device), dests, [dest.numel() for dest in dests]))
     return slabs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 from megafp8.optim.state_codec import GROUP
 from megafp8.optim.storage_slabs import storage_slabs
 from megafp8.parallel.data_parallel import Bucket, DistributedDataParallel
-from megafp8.parallel.sharding import is_tensor_model_parallel
+from megafp8.parallel.placement import placement_of
 
 
 @dataclass(eq=False)
@@ -58,7 +58,7 @@ class StorageLayout:
         self.shards: list[tuple[Bucket, int, int, int]] = []
         storage = 0
         for bucket in ddp.buckets:
-            lo, hi = bucket.shard_range(ddp.dp.rank, ddp.dp.size, ddp.distributed)
+            lo, hi = bucket.shard_range(bucket.group.rank, bucket.group.size, ddp.distributed)
             for p in bucket.params:
                 start, end = bucket.ranges[p]
                 a, b = max(start, lo), min(end, hi)
@@ -79,14 +79,15 @@ class StorageLayout:
         params = list(ddp.bucket_of)
         position = {p: i for i, p in enumerate(params)}
         salts = torch.zeros(nfrag + 1, dtype=torch.int64)
+        group_rank = _group_rank(ddp)
         for frag in self.fragments:
             g = slice(frag.storage_lo // GROUP, -(-(frag.storage_lo + frag.numel) // GROUP))
             frag_of_group[g] = frag.index
             index_offset[g] = frag.param_lo - frag.storage_lo
             decay[g] = frag.param.dim() >= 2 and weight_decay > 0
-            counted[g] = _counts_in_grad_norm(frag.param, ddp.tp.rank)
+            counted[g] = _counts_in_grad_norm(frag.param, group_rank)
             decoupled[g] = frag.name in decoupled_lr_params
-            salts[frag.index] = zlib.crc32(_rounding_name(frag, ddp.tp.rank).encode())
+            salts[frag.index] = zlib.crc32(_rounding_name(frag, group_rank).encode())
         self.frag_of_group, self.index_offset = frag_of_group.to(device), index_offset.to(device)
         self.group_decay, self.group_counted = decay.to(device), counted.to(device)
         self.param_of_frag = torch.tensor([position[f.param] for f in self.fragments], dtype=torch.int64, device=device)
@@ -105,14 +106,21 @@ class StorageLayout:
         return launches
 
 
-def _rounding_name(frag: Fragment, tp_rank: int) -> str:
+def _rounding_name(frag: Fragment, group_rank: Callable[[str], int]) -> str:
     """Every holder of the same values draws the same bits: TP-replicated parameters (norms) are salted by name only,
     so their TP copies stay identical; the last stage's copy of a tied embedding uses the embedding's name (what
-    checkpoints call it). TP shards of one tensor are salted apart by TP rank."""
-    name = "embedding.weight" if getattr(frag.param, "shared_embedding", False) else frag.name
-    return f"{name}@tp{tp_rank}" if is_tensor_model_parallel(frag.param) else name
+    checkpoints call it). Shards of one tensor are salted apart by their rank in the group splitting it (``@tp1``)."""
+    placement = placement_of(frag.param)
+    name = "embedding.weight" if placement.tied_copy else frag.name
+    return f"{name}@{placement.shard_group}{group_rank(placement.shard_group)}" if placement.sharded else name
 
 
-def _counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
-    """Each element once: a tied embedding's pipeline copy never, a TP-replicated parameter on TP rank 0 only."""
-    return not getattr(param, "shared_embedding", False) and (is_tensor_model_parallel(param) or tp_rank == 0)
+def _group_rank(ddp: DistributedDataParallel) -> Callable[[str], int]:
+    """This rank's index in a named group of the DDP's parallel state."""
+    return lambda name: ddp.parallel_state.group(name).rank
+
+
+def _counts_in_grad_norm(param: nn.Parameter, group_rank: Callable[[str], int]) -> bool:
+    """Each element once, as its placement says: on every rank of the group splitting it, on the first rank of the
+    group copying it (TP rank 0 for a norm weight), never for a tied embedding's pipeline copy."""
+    return placement_of(param).counts_in_grad_norm(group_rank)

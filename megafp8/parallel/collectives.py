@@ -1,5 +1,6 @@
 """The one module every collective goes through: thin wrappers over torch.distributed that count the
-bytes this rank sends per collective kind and move float8 tensors as uint8 views.
+bytes this rank sends per collective kind and move low-precision payloads (float8, packed FP4, E8M0 scales) as uint8
+views.
 
 Byte-counting convention ("bytes this rank puts on the wire" under the ring / direct algorithms that
 NCCL and gloo use, i.e. NCCL-tests' bus bytes), with ``n`` the group size and ``B`` byte sizes:
@@ -14,9 +15,10 @@ all-to-all             ``B(input) / n * (n - 1)``    (one equal chunk to each pe
 send                   ``B(tensor)``; a receive is charged nothing (the sender paid)
 =====================  =========================================================
 
-Groups of size 1 issue no collective and are charged nothing. FP8 payloads are charged at one byte per
-element, and their scales are charged separately under the same kind, so an FP8 all-gather's counter
-is exactly what a uint8 + fp32-scale transfer costs.
+Groups of size 1 issue no collective and are charged nothing. Payloads are charged at their bytes (FP8: one per
+element; a packed 4-bit format: one per two), and their scales separately under the same kind, so an FP8
+all-gather's counter is exactly what a uint8 + fp32-scale transfer costs. QuantizedTensors travel through
+quantized_collectives.py, which packs each one's parts into one collective.
 
 These wrappers are not differentiable (inputs are detached); ``mappings`` pairs them into autograd Functions.
 The ``*_async`` variants return a ``PendingCollective`` whose ``wait()`` gives the result, so a caller can
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megafp8_kernels import wire_bytes
 
 # The keys of `comm_bytes` in metrics.jsonl (see DESIGN.md). A fixed set catches a misspelt kind at
 # the call site instead of silently opening a new counter.
@@ -43,8 +47,6 @@ COMM_KINDS: tuple[str, ...] = (
     "amax_reduce",          # FP8 amax reduction over the TP x DP group
     "embedding_allreduce",  # tied-embedding grad all-reduce between first and last PP stage
 )
-
-_FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names; GPU machines
 # may bring an older torch that only has the old ones.
@@ -126,8 +128,9 @@ class PendingCollective:
 
 
 def _wire_view(t: torch.Tensor) -> torch.Tensor:
-    # gloo and some NCCL builds reject float8 dtypes; the bytes are what matter on the wire.
-    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+    # gloo and some NCCL builds reject float8 (and packed FP4, E8M0) dtypes; the bytes are what matter on the wire,
+    # so every one-byte dtype but the integer ones travels as uint8 (decided by itemsize, not a list of dtypes).
+    return wire_bytes(t)
 
 
 def _nbytes(t: torch.Tensor) -> int:

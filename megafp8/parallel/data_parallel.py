@@ -5,17 +5,20 @@ saturation guard moved out of FP8 travels in high precision beside its FP8 bucke
 With ``--fp8-grad-reduce`` the buckets of FP8 layers' weights are reduce-scattered as FP8 bytes instead
 (an all-to-all and a local fp32 sum: fp8_grad_reduce.py).
 
-Layout (Megatron-Core's ``ParamAndGradBuffer``): parameters are laid out in reverse registration order
-(the order backward finishes them) in one flat buffer per parameter dtype. Every parameter starts on a
+Layout (Megatron-Core's ``ParamAndGradBuffer``, built in grad_buffer.py): parameters are laid out in reverse
+registration order (the order backward finishes them) in one flat buffer per (grad-sync group, parameter dtype): the
+group of each parameter's ``Placement`` (placement.py; the DP x CP group for every parameter today, so one buffer
+per dtype), which reduces its buckets, gathers them and spreads their shards. Every parameter starts on a
 128-element boundary and every bucket is padded to a multiple of ``DP x 128`` elements, so the DP
 shards of a bucket (rank r owns elements ``[r S, (r+1) S)``, ``S = numel / DP``) never cut a
 128-element group of a parameter: the optimizer's per-group codec scales then stay whole, and a
 checkpoint written at one DP size re-slices exactly at another. ``param.main_grad`` is a view into
 the buffer; parameter values live in per-bucket buffers (``param.data`` is a view), so a gather
-writes straight into the parameters.
+writes straight into the parameters. A bucket's FP8 bytes (``fp8_data``) are sized and addressed in bytes: its
+format's ``bits`` per element (megafp8_kernels.element_format), so a packed format takes fewer than one each.
 
 Extra reductions of replicated parameters happen once, when their bucket is reduced: grads of
-``sequence_parallel`` parameters (norm weights, row-parallel biases under SP) are summed over TP
+parameters whose placement sums them over TP (sequence-parallel norm weights and row-parallel biases) are summed
 (inside backward: every TP rank runs the same schedule); the tied embedding's two copies under
 pipeline parallelism (the last stage's ``shared_embedding`` output weight and the first stage's
 embedding weight) are summed over the embedding group in ``finish_grad_sync``, never inside backward
@@ -28,19 +31,22 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe
+from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe, PrecisionChange, plan_of, precision_plans
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.fp8_grad_reduce import fp8_reduce_scatter_async
+from megafp8.parallel.grad_buffer import ALIGN, BYTE_BITS, Bucket, bucket_layouts, fp8_bits, packed_shape, \
+    param_piece_segments
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.placement import attach_placements, placement_of
 from megafp8.parallel.switched_weight import SwitchedWeight
 
-ALIGN = 128  # elements; also the optimizer's codec group size
+__all__ = ["ALIGN", "Bucket", "DDPConfig", "DistributedDataParallel", "Fp8ParamInfo", "tensor_bytes"]
 
 
 @dataclass
@@ -92,39 +98,6 @@ class Fp8ParamInfo:
     scale_inv: torch.Tensor | None = None  # written by the optimizer; identical on every DP rank
 
 
-@dataclass(eq=False)
-class Bucket:
-    """A contiguous range ``[offset, offset + numel)`` of the grad buffer and its parameters."""
-
-    index: int
-    params: list[nn.Parameter]
-    offset: int
-    numel: int
-    ranges: dict[nn.Parameter, tuple[int, int]]  # param -> [start, end) relative to the bucket
-    grad_data: torch.Tensor
-    param_data: torch.Tensor | None  # high-precision values (None for a released FP8 bucket)
-    fp8: bool = False                # weights of FP8 layers, gathered as FP8 bytes
-    fp8_data: torch.Tensor | None = None  # uint8, the gathered FP8 bytes (FP8 buckets)
-    fp8_grad: bool = False           # weights of FP8 layers, grads reduce-scattered as FP8 (--fp8-grad-reduce)
-    ready: dict = field(default_factory=dict)  # param -> backward passes seen this iteration
-    deferred: bool = False  # holds a tied-embedding copy: reduced in finish_grad_sync, not in backward
-    grad_work: object = None  # the DP reduction in flight; its wait() gives this rank's reduced shard
-    fp8_grad_segments: tuple | None = None  # (segment id per 128-group, count): one FP8 scale per param per shard
-    param_work: object = None
-    param_sync_pending: bool = False
-
-    def shard_range(self, dp_rank: int, dp_size: int, distributed: bool) -> tuple[int, int]:
-        """The part of this bucket the given DP rank owns (all of it without the distributed optimizer)."""
-        if not distributed:
-            return 0, self.numel
-        size = self.numel // dp_size
-        return dp_rank * size, (dp_rank + 1) * size
-
-
-def _align(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.Parameter, Fp8ParamInfo]:
     infos = {}
     for m in module.modules():
@@ -133,17 +106,6 @@ def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.
             if recipe is not None and not m.runs_high_precision:
                 infos[m.weight] = Fp8ParamInfo(m, recipe)
     return infos
-
-
-def _param_piece_segments(bucket: Bucket, dp_size: int) -> tuple[torch.Tensor, int]:
-    """Segment ``piece * P + k`` for the 128-groups of parameter ``k`` (and the padding after it) in DP piece
-    ``piece``: parameters start on group boundaries and pieces end on them, so no group straddles two."""
-    starts = torch.tensor([bucket.ranges[p][0] for p in bucket.params]) // ALIGN
-    groups = torch.arange(bucket.numel // ALIGN)
-    param_of_group = torch.searchsorted(starts, groups, right=True) - 1
-    piece_of_group = groups // (bucket.numel // ALIGN // dp_size)
-    segments = piece_of_group * len(bucket.params) + param_of_group
-    return segments.to(bucket.grad_data.device), dp_size * len(bucket.params)
 
 
 def _tied_embedding_params(module: nn.Module, parallel_state: ParallelState) -> set[nn.Parameter]:
@@ -195,6 +157,12 @@ class DistributedDataParallel(nn.Module):
         # (take_guard_switches moves it to switched_weights; its bucket keeps the FP8 layout).
         self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
         self.switched_weights: dict[nn.Parameter, SwitchedWeight] = {}
+        # The chunks' precision plans tell this wrapper of every layer they move (no polling of the layers): a weight
+        # gathered as FP8 whose layer went to high precision waits here until take_guard_switches moves it.
+        self.precision_plans = precision_plans(module)
+        self.demoted_fp8_params: dict[nn.Parameter, None] = {}  # ordered set
+        for plan in self.precision_plans:
+            plan.on_change(self._on_precision_change)
         # The weights whose grads are reduced as FP8 (fixed at construction: a weight the guard later switches
         # keeps its bucket; its grads are as well-scaled as any other's, the guard acts on forward casts).
         self.fp8_grad_params = set(_fp8_params(module, self.config.fp8_recipe)) if self.config.fp8_grad_reduce \
@@ -204,8 +172,12 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[Bucket] = []
         self.grad_buffers: list[torch.Tensor] = []
-        for dtype in dict.fromkeys(p.dtype for p in params):
-            self._build_buffer([p for p in params if p.dtype == dtype], grad_dtype)
+        attach_placements(params)
+        # One buffer per (grad-sync group, dtype), in first-appearance order: with the one DP group of today
+        # the buffers, their bucket order and their bytes are those of a buffer per dtype.
+        for sync, dtype in dict.fromkeys((placement_of(p).grad_sync_group, p.dtype) for p in params):
+            self._build_buffer([p for p in params if p.dtype == dtype and placement_of(p).grad_sync_group == sync],
+                               grad_dtype, parallel_state.group(sync))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync_enabled = True
         # Backward passes per iteration (micro-batches): a bucket is complete once every parameter's grad
@@ -221,44 +193,53 @@ class DistributedDataParallel(nn.Module):
                     self._hook_handles.append(m.register_forward_pre_hook(self._param_sync_pre_hook))
 
     # ---- layout -------------------------------------------------------------------------------
-    def _build_buffer(self, params: list[nn.Parameter], grad_dtype: torch.dtype) -> None:
-        groups: list[list[nn.Parameter]] = []
-        current: list[nn.Parameter] = []
-        current_numel = 0
-        for p in reversed(params):  # backward finishes the last layers first
-            if current and (self._fp8_bucketed(p) != self._fp8_bucketed(current[0]) or (
-                    self.config.bucket_size is not None and current_numel >= self.config.bucket_size)):
-                groups.append(current)
-                current, current_numel = [], 0
-            current.append(p)
-            current_numel += _align(p.numel(), ALIGN)
-        if current:
-            groups.append(current)
-        layouts, offset = [], 0
-        for group in groups:
-            ranges, cursor = {}, 0
-            for p in group:
-                ranges[p] = (cursor, cursor + p.numel())
-                cursor = _align(cursor + p.numel(), ALIGN)
-            numel = _align(cursor, ALIGN * self.dp.size)
-            layouts.append((group, offset, numel, ranges))
-            offset += numel
-        grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=params[0].device)
+    def _build_buffer(self, params: list[nn.Parameter], grad_dtype: torch.dtype, group: GroupHandle) -> None:
+        layouts = bucket_layouts(params, self._bucket_kind, self.config.bucket_size, group.size)
+        grad_buffer = torch.zeros(sum(numel for _, _, numel, _ in layouts), dtype=grad_dtype, device=params[0].device)
         self.grad_buffers.append(grad_buffer)
-        for group, offset, numel, ranges in layouts:
-            param_data = torch.zeros(numel, dtype=group[0].dtype, device=grad_buffer.device)
-            bucket = Bucket(len(self.buckets), group, offset, numel, ranges, grad_buffer[offset:offset + numel],
-                            param_data, fp8=group[0] in self.fp8_params, fp8_grad=group[0] in self.fp8_grad_params,
-                            deferred=any(p in self.tied_embedding_params for p in group))
+        for members, offset, numel, ranges in layouts:
+            param_data = torch.zeros(numel, dtype=members[0].dtype, device=grad_buffer.device)
+            bucket = Bucket(len(self.buckets), members, offset, numel, ranges, grad_buffer[offset:offset + numel],
+                            param_data, fp8=members[0] in self.fp8_params, fp8_grad=members[0] in self.fp8_grad_params,
+                            deferred=any(p in self.tied_embedding_params for p in members), group=group,
+                            fp8_bits=self._bucket_kind(members[0])[1])
             for p, (start, end) in ranges.items():
                 param_data[start:end].copy_(p.detach().reshape(-1))
                 p.data = param_data[start:end].view(p.shape)
                 p.main_grad = bucket.grad_data[start:end].view(p.shape)
             self.buckets.append(bucket)
 
-    def _fp8_bucketed(self, p: nn.Parameter) -> bool:
-        """FP8 layers' weights share buckets only with each other (both FP8 paths select the same weights)."""
-        return p in self.fp8_params or p in self.fp8_grad_params
+    def _bucket_kind(self, p: nn.Parameter) -> tuple[bool, int]:
+        """FP8 layers' weights share buckets only with each other (both FP8 paths select the same weights), and
+        only with weights of as many bits per element (one bucket's bytes are addressed at one rate)."""
+        info = self.fp8_params.get(p)
+        return p in self.fp8_params or p in self.fp8_grad_params, \
+            self._widest_weight_bits(info) if info is not None else BYTE_BITS
+
+    @staticmethod
+    def _widest_weight_bits(info: Fp8ParamInfo) -> int:
+        """Bits per element a weight's FP8 bytes are sized for: the widest format on its layer's precision ladder (a
+        layer moved down the ladder later still fits its bucket), or its recipe's format for a layer without one."""
+        plan = plan_of(info.module)
+        widest = plan.widest_bits(plan.name_of(info.module), lambda r: fp8_bits(r.dtype("weight"))) if plan else None
+        return widest if widest is not None else fp8_bits(info.recipe.dtype("weight"))
+
+    def _on_precision_change(self, changes: list[PrecisionChange]) -> None:
+        """A plan moved layers: record the FP8-gathered weights that left FP8, follow the recipe of those that stay."""
+        for change in changes:
+            weight = getattr(change.module, "weight", None)
+            info = self.fp8_params.get(weight) if isinstance(weight, nn.Parameter) else None
+            if info is None:
+                continue
+            if change.new is None:
+                self.demoted_fp8_params[weight] = None
+                continue
+            if fp8_bits(change.new.dtype("weight")) != self.bucket_of[weight].fp8_bits:
+                # Its bucket's bytes are addressed at one rate: a narrower rung needs per-weight addressing first.
+                raise NotImplementedError(f"--fp8-param-gather: {self.param_names[weight]} moved to a weight format of "
+                                          f"another width than its bucket's {self.bucket_of[weight].fp8_bits} bits")
+            self.demoted_fp8_params.pop(weight, None)
+            info.recipe = change.new
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -303,7 +284,7 @@ class DistributedDataParallel(nn.Module):
 
     def _replicated_reductions(self, bucket: Bucket) -> None:
         """Sums that make replicated parameters' grads whole, once per bucket, before the DP reduction."""
-        sp = [p.main_grad for p in bucket.params if getattr(p, "sequence_parallel", False)]
+        sp = [p.main_grad for p in bucket.params if placement_of(p).grad_sum_group == "tp"]
         if sp and self.tp.size > 1:
             flat = torch.cat([g.reshape(-1) for g in sp])
             C.all_reduce(flat, self.tp, "tp_allreduce")
@@ -315,21 +296,22 @@ class DistributedDataParallel(nn.Module):
 
     def _start_grad_reduce(self, bucket: Bucket) -> None:
         self._replicated_reductions(bucket)
-        if self.dp.size == 1:
+        group = bucket.group
+        if group.size == 1:
             bucket.grad_work = True
             return
-        bucket.grad_data.div_(self.dp.size)  # average over DP (sum of per-replica mean losses / DP)
+        bucket.grad_data.div_(group.size)  # average over DP (sum of per-replica mean losses / DP)
         if bucket.fp8_grad:
             if bucket.fp8_grad_segments is None:
-                bucket.fp8_grad_segments = _param_piece_segments(bucket, self.dp.size)
-            bucket.grad_work = fp8_reduce_scatter_async(bucket.grad_data, self.dp, "dp_grad_reduce",
+                bucket.fp8_grad_segments = param_piece_segments(bucket, group.size)
+            bucket.grad_work = fp8_reduce_scatter_async(bucket.grad_data, group, "dp_grad_reduce",
                                                         segments=bucket.fp8_grad_segments)
         elif self.distributed:
-            size = bucket.numel // self.dp.size
+            size = bucket.numel // group.size
             shard_out = torch.empty(size, dtype=bucket.grad_data.dtype, device=bucket.grad_data.device)
-            bucket.grad_work = C.reduce_scatter_tensor_async(shard_out, bucket.grad_data, self.dp, "dp_grad_reduce")
+            bucket.grad_work = C.reduce_scatter_tensor_async(shard_out, bucket.grad_data, group, "dp_grad_reduce")
         else:
-            bucket.grad_work = C.all_reduce_async(bucket.grad_data, self.dp, "dp_grad_reduce")
+            bucket.grad_work = C.all_reduce_async(bucket.grad_data, group, "dp_grad_reduce")
 
     def finish_grad_sync(self) -> None:
         """Start the reductions backward did not start, wait for all: afterwards each rank's owned
@@ -341,7 +323,7 @@ class DistributedDataParallel(nn.Module):
             if bucket.grad_work is not True:
                 reduced = bucket.grad_work.wait()
                 if self.distributed:  # a shard (reduce-scatter or FP8); plain DDP reduced grad_data in place
-                    start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
+                    start, end = bucket.shard_range(bucket.group.rank, bucket.group.size, True)
                     bucket.grad_data[start:end].copy_(reduced)
             bucket.grad_work = True
 
@@ -351,7 +333,8 @@ class DistributedDataParallel(nn.Module):
         the Parameter stays the autograd leaf (its grad goes to main_grad) but holds one element."""
         for bucket in self.buckets:
             if bucket.fp8 and bucket.param_data is not None:
-                bucket.fp8_data = torch.zeros(bucket.numel, dtype=torch.uint8, device=bucket.grad_data.device)
+                bucket.fp8_data = torch.zeros(bucket.fp8_bytes(bucket.numel), dtype=torch.uint8,
+                                              device=bucket.grad_data.device)
                 for p in bucket.params:
                     p.data = torch.zeros(1, dtype=p.dtype, device=p.device).expand(p.shape)
                 bucket.param_data = None
@@ -359,15 +342,15 @@ class DistributedDataParallel(nn.Module):
     def take_guard_switches(self) -> list[SwitchedWeight]:
         """Move the weights of FP8 layers that now run in high precision (the saturation guard switched them)
         off the FP8 path: each gets a whole high-precision weight (``param.data``) and a padded shard for its
-        own all-gather. Returns the newly switched; their values arrive with the next gather of their shards."""
+        own all-gather. Returns the newly switched; their values arrive with the next gather of their shards.
+        Consumes the switches the precision plans reported (in fp8_params order, the same on every rank)."""
         new = []
-        for p, info in list(self.fp8_params.items()):
-            if not info.module.runs_high_precision:
-                continue
+        for p, info in [(p, info) for p, info in self.fp8_params.items() if p in self.demoted_fp8_params]:
             del self.fp8_params[p]
-            self.switched_weights[p] = SwitchedWeight.take(p, self.bucket_of[p], self.dp)
+            self.switched_weights[p] = SwitchedWeight.take(p, self.bucket_of[p], self.bucket_of[p].group)
             info.module.invalidate_weight_cache()
             new.append(self.switched_weights[p])
+        self.demoted_fp8_params.clear()
         return new
 
     def param_shard_view(self, param: nn.Parameter, bucket_lo: int, n: int) -> torch.Tensor:
@@ -383,9 +366,9 @@ class DistributedDataParallel(nn.Module):
         """All-gather these switched weights' shards now (a switch between two publishes)."""
         for sw in switched:
             sw.pending = True
-            sw.start_gather(self.dp)
+            sw.start_gather(sw.bucket.group)
         for sw in switched:
-            sw.finish_gather(self.dp)
+            sw.finish_gather(sw.bucket.group)
 
     def _switched_in(self, bucket: Bucket) -> list[SwitchedWeight]:
         return [sw for sw in self.switched_weights.values() if sw.bucket is bucket]
@@ -403,21 +386,24 @@ class DistributedDataParallel(nn.Module):
         if not self.config.overlap_param_gather:
             self.finish_param_sync()
 
-    def _gather_source(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.fp8_data if bucket.fp8_data is not None else bucket.param_data
+    def _gather_source(self, bucket: Bucket) -> tuple[torch.Tensor, int, int]:
+        """The buffer a gather fills and this rank's shard of it: bytes of fp8_data, or elements of param_data."""
+        start, end = bucket.shard_range(bucket.group.rank, bucket.group.size, True)
+        if bucket.fp8_data is not None:
+            return bucket.fp8_data, bucket.fp8_bytes(start), bucket.fp8_bytes(end)
+        return bucket.param_data, start, end
 
     def _start_param_gather(self, bucket: Bucket) -> None:
         if not bucket.param_sync_pending or bucket.param_work is not None:
             return
         for sw in self._switched_in(bucket):
-            sw.start_gather(self.dp)
-        data = self._gather_source(bucket)
-        if self.dp.size == 1:
+            sw.start_gather(bucket.group)
+        if bucket.group.size == 1:
             bucket.param_work = True
             return
-        start, end = bucket.shard_range(self.dp.rank, self.dp.size, True)
+        data, start, end = self._gather_source(bucket)
         shard = data[start:end].clone()  # the gather's output holds the input: do not alias them
-        bucket.param_work = C.all_gather_into_tensor_async(data, shard, self.dp, "dp_param_allgather")
+        bucket.param_work = C.all_gather_into_tensor_async(data, shard, bucket.group, "dp_param_allgather")
 
     def _finish_param_gather(self, bucket: Bucket) -> None:
         if not bucket.param_sync_pending:
@@ -427,7 +413,7 @@ class DistributedDataParallel(nn.Module):
             bucket.param_work.wait()
         bucket.param_work, bucket.param_sync_pending = None, False
         for sw in self._switched_in(bucket):
-            sw.finish_gather(self.dp)
+            sw.finish_gather(bucket.group)
         if bucket.fp8:
             self._inject_fp8_weights(bucket)
 
@@ -452,9 +438,8 @@ class DistributedDataParallel(nn.Module):
             info = self.fp8_params.get(p)
             if info is None:  # switched to high precision by the saturation guard
                 continue
-            start, end = bucket.ranges[p]
             fp8_dtype = info.recipe.dtype("weight")
-            data = bucket.fp8_data[start:end].view(fp8_dtype).view(p.shape)
+            data = bucket.fp8_slice(*bucket.ranges[p]).view(fp8_dtype).view(packed_shape(p.shape, bucket.fp8_bits))
             info.module.set_fp8_weight(Float8Tensor(tuple(p.shape), fp8_dtype, info.recipe.granularity("weight"),
                                                     data, info.scale_inv))
 

@@ -1,5 +1,5 @@
-"""FP8 glue for tensor/sequence parallelism: sequence all-gathers of FP8 operands (uint8 bytes + scales
-over the TP group) and the once-per-step amax reduction over the TP x DP group."""
+"""Low-precision glue for tensor/sequence parallelism: sequence all-gathers of quantized operands (payload bytes +
+scales over the TP group) and the once-per-step amax reduction over the TP x DP group."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ from megafp8.fp8 import Float8Tensor, Fp8ScalingManager
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.parallel_state import ParallelState
-from megafp8_kernels import Granularity
+from megafp8.parallel.quantized_collectives import all_gather_rows_async
 
 
 class TensorParallelSequenceComm:
@@ -33,19 +33,8 @@ class TensorParallelSequenceComm:
         C.all_reduce(amax, self.tp, "amax_reduce", op=dist.ReduceOp.MAX)
 
     def gather_rows_async(self, x: Float8Tensor) -> C.PendingCollective:
-        rows, cols = x.shape
-        shape = (rows * self.tp.size, cols)
-        if x.granularity is Granularity.TENSORWISE:
-            # Every rank quantized with the same scale (delayed: synchronized; current: sync_amax),
-            # so only the bytes travel.
-            gathered = torch.empty(shape, dtype=x.data.dtype, device=x.data.device)
-            pending = C.all_gather_into_tensor_async(gathered, x.data, self.tp, "tp_sp_allgather")
-            return C.PendingCollective(pending, finish=lambda p: Float8Tensor(
-                shape, x.fp8_dtype, x.granularity, p.wait(), x.scale_inv))
-        # Per-row / per-1x128 scales differ by rank: bytes and scales travel together, in one collective.
-        pending = C.all_gather_quantized_async(x.data, x.scale_inv, self.tp, "tp_sp_allgather")
-        return C.PendingCollective(pending, finish=lambda p: Float8Tensor(
-            shape, x.fp8_dtype, x.granularity, *p.wait()))
+        # Payload and scales in one collective (only the payload when every rank shares one scale).
+        return all_gather_rows_async(x, self.tp, "tp_sp_allgather")
 
     def gather_cols_async(self, data_t: torch.Tensor) -> C.PendingCollective:
         cols, rows = data_t.shape

@@ -1,4 +1,5 @@
-"""The parallel layout (TP x CP x DP x PP) as one object: validated once, then asked for process groups.
+"""The parallel layout (TP x CP x DP x PP, and its expert view ETP x EP x EDP x PP) as one object: validated once,
+then asked for process groups by name.
 
 Ranks are laid out as in Megatron-LM (order tp-cp-dp-pp): tensor parallel innermost, then context
 parallel, then data parallel, then pipeline, so ``rank = tp + TP * (cp + CP * (dp + DP * pp))``. TP peers
@@ -6,10 +7,16 @@ are therefore neighbours (same node, fastest links), CP peers the next closest (
 next busiest link). The rank arithmetic is pure (``rank_coordinates``, ``group_ranks``) and unit-testable
 without processes; ``ParallelState.init_process_groups`` turns it into real groups. Nothing here is a
 module-level global: the state object is created once and passed to whatever needs a group.
+
+The same ranks are read through two mesh views (``MeshView``): the dense one (TP, CP, DP, PP) and the expert one
+(ETP, EP, EDP, PP, Megatron's order etp-ep-edp-pp, with ETP x EP x EDP = TP x CP x DP). Without MoE, EP = 1 and
+ETP = TP, so every expert group has the ranks of a dense one (and shares its communicator).
 """
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -21,6 +28,12 @@ from megafp8.parallel.collectives import CommCounters, GroupHandle
 from megafp8.parallel.pipeline_layout import PipelineLayout, default_schedule, pipeline_layout_errors
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "amax", "embedding")
+# Named groups of each view: the mesh dimensions along which their members differ.
+DENSE_GROUPS: dict[str, tuple[str, ...]] = {"tp": ("tp",), "cp": ("cp",), "dp": ("cp", "dp"), "pp": ("pp",),
+                                            "amax": ("tp", "cp", "dp")}
+EXPERT_GROUPS: dict[str, tuple[str, ...]] = {"etp": ("etp",), "ep": ("ep",), "edp": ("edp",),
+                                             "expert_amax": ("etp", "edp")}
+CHECKPOINT_GLOO = "checkpoint_gloo"  # the whole world over gloo: checkpoint coordination moves python objects on CPU
 
 
 class LayoutError(ValueError):
@@ -47,6 +60,44 @@ def global_rank(coords: RankCoordinates, tp: int, dp: int, cp: int = 1) -> int:
     return coords.tp + tp * (coords.cp + cp * (coords.dp + dp * coords.pp))
 
 
+@dataclass(frozen=True)
+class MeshView:
+    """One factorization of the world's ranks, innermost dimension first: ``rank = c0 + n0 * (c1 + n1 * ...)``."""
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        coords = {}
+        for dim, size in zip(self.dims, self.sizes):
+            coords[dim], rank = rank % size, rank // size
+        return coords
+
+    def groups(self, over: Sequence[str]) -> list[list[int]]:
+        """The groups whose members differ only along the dims ``over``: members in global-rank order (the
+        innermost dim fastest), groups ordered by their first member, so every rank lists them alike."""
+        unknown = set(over) - set(self.dims)
+        if unknown:
+            raise ValueError(f"MeshView {self.dims}: no dimension {sorted(unknown)}")
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            coords = self.coordinates(rank)
+            groups.setdefault(tuple(coords[d] for d in self.dims if d not in over), []).append(rank)
+        return sorted(groups.values())
+
+
+def dense_view(tp: int, dp: int, pp: int, cp: int = 1) -> MeshView:
+    return MeshView(("tp", "cp", "dp", "pp"), (tp, cp, dp, pp))
+
+
+def expert_view(etp: int, ep: int, edp: int, pp: int) -> MeshView:
+    return MeshView(("etp", "ep", "edp", "pp"), (etp, ep, edp, pp))
+
+
 def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every kind, as lists of global ranks, in a fixed order all ranks agree on.
 
@@ -61,19 +112,18 @@ def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[i
     - embedding: the first and last stage of each pipeline (just the one rank when PP=1); tied
       input/output embeddings all-reduce their grads over it.
     """
-    def rank(t: int, c: int, d: int, p: int) -> int:
-        return global_rank(RankCoordinates(tp=t, dp=d, pp=p, cp=c), tp, dp, cp)
-
-    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
-    groups: dict[str, list[list[int]]] = {
-        "tp": [[rank(t, c, d, p) for t in T] for p in P for d in D for c in C],
-        "cp": [[rank(t, c, d, p) for c in C] for p in P for d in D for t in T],
-        "dp": [[rank(t, c, d, p) for d in D for c in C] for p in P for t in T],
-        "pp": [[rank(t, c, d, p) for p in P] for d in D for c in C for t in T],
-        "amax": [[rank(t, c, d, p) for d in D for c in C for t in T] for p in P],
-    }
+    view = dense_view(tp, dp, pp, cp)
+    groups = {name: view.groups(over) for name, over in DENSE_GROUPS.items()}
     groups["embedding"] = [sorted({ranks[0], ranks[-1]}) for ranks in groups["pp"]]
     return groups
+
+
+def expert_group_ranks(etp: int, ep: int, edp: int, pp: int) -> dict[str, list[list[int]]]:
+    """The expert view's groups: etp (an expert's tensor split), ep (the ranks holding different experts), edp
+    (an expert's data-parallel replicas: gradients and ZeRO shards) and expert_amax (ETP x EDP of one stage: every
+    holder of one expert's weights)."""
+    view = expert_view(etp, ep, edp, pp)
+    return {name: view.groups(over) for name, over in EXPERT_GROUPS.items()}
 
 
 def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers: int | None = None,
@@ -82,13 +132,15 @@ def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers:
                   num_attention_heads: int | None = None, num_query_groups: int | None = None,
                   kv_channels: int | None = None, seq_length: int | None = None, global_batch_size: int | None = None,
                   micro_batch_size: int | None = None, pipeline_schedule: str | None = None,
-                  first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[str]:
+                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                  ep: int = 1, etp: int | None = None) -> list[str]:
     """Every rule the layout breaks, each naming its flag; model/batch checks run only when given.
     The pipeline rules (stage split, schedule, micro-batch count) are ``pipeline_layout_errors``."""
     errors: list[str] = []
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("world size", world_size), ("--micro-batch-size", micro_batch_size),
-                        ("--num-layers-per-virtual-pipeline-stage", vpp_layers)):
+                        ("--num-layers-per-virtual-pipeline-stage", vpp_layers),
+                        ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         if value is not None and value < 1:
             errors.append(f"{flag} must be >= 1, got {value}")
     if errors:
@@ -98,6 +150,7 @@ def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers:
                       + f"--pipeline-model-parallel-size ({pp}) = {tp * cp * pp} does not divide the world size "
                       f"({world_size})")
     dp = max(world_size // (tp * cp * pp), 1)
+    errors += expert_layout_errors(stage_ranks=tp * cp * dp, ep=ep, etp=tp if etp is None else etp)
 
     def not_divisible(flag: str, value: int | None, by_flag: str, by: int) -> None:
         if value is not None and value % by:
@@ -138,6 +191,14 @@ def layout_errors(*, world_size: int, tp: int, pp: int, cp: int = 1, vpp_layers:
     return errors
 
 
+def expert_layout_errors(*, stage_ranks: int, ep: int, etp: int) -> list[str]:
+    """The expert view splits the TP x CP x DP ranks of a stage into ETP x EP x EDP: ETP x EP must divide them."""
+    if stage_ranks % (etp * ep):
+        return [f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) = {etp * ep} does not "
+                f"divide the ranks of a pipeline stage (TP x CP x DP = {stage_ranks})"]
+    return []
+
+
 @dataclass
 class ParallelState:
     """The TP x CP x DP x PP layout of this run and, after ``init_process_groups``, this rank's groups.
@@ -147,6 +208,9 @@ class ParallelState:
     ZeRO shards (CP ranks hold the same parameters). Validation of the factors runs in
     ``__post_init__``; ``validate_model`` adds the checks that need the model and batch sizes and is
     called by the model constructor, so a bad layout always fails before any compute.
+
+    Groups are looked up by name (``group(name)``: the dense view's tp, cp, dp, pp, amax, embedding, the expert
+    view's etp, ep, edp, expert_amax, the world, and ``CHECKPOINT_GLOO``); ``tp_group`` etc. are shorthands.
     """
 
     world_size: int = 1
@@ -159,7 +223,10 @@ class ParallelState:
     decoder_last_pipeline_num_layers: int | None = None
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"  # --cp-comm-type: how the attention's CP ranks exchange K/V
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the TP size (Megatron's default)
     data_parallel_size: int = field(init=False)
+    expert_data_parallel_size: int = field(init=False)
     # Filled by init_process_groups(): this process's rank, coordinates and group handles.
     rank: int = field(init=False, default=0)
     coords: RankCoordinates = field(init=False, default=RankCoordinates(0, 0, 0))
@@ -169,6 +236,9 @@ class ParallelState:
     def __post_init__(self) -> None:
         self._raise_if(layout_errors(**self._layout_kwargs()))
         self.data_parallel_size = self.world_size // (self.tp_size * self.cp_size * self.pp_size)
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        self.expert_data_parallel_size = self.world_size // (self.etp_size * self.ep_size * self.pp_size)
         self.pipeline_schedule = self.pipeline_schedule or default_schedule(self.num_layers_per_virtual_pipeline_stage)
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -183,6 +253,40 @@ class ParallelState:
     @property
     def cp_size(self) -> int:
         return self.context_parallel_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp_size(self) -> int:
+        return self.expert_tensor_parallel_size
+
+    @property
+    def edp_size(self) -> int:
+        """An expert's data-parallel replicas: TP x CP x DP / (ETP x EP); ``dp_group.size`` when EP = 1, ETP = TP."""
+        return self.expert_data_parallel_size
+
+    @property
+    def dense_view(self) -> MeshView:
+        return dense_view(self.tp_size, self.dp_size, self.pp_size, self.cp_size)
+
+    @property
+    def expert_view(self) -> MeshView:
+        return expert_view(self.etp_size, self.ep_size, self.edp_size, self.pp_size)
+
+    def group_ranks(self) -> dict[str, list[list[int]]]:
+        """Every named group of both views (without the world and CHECKPOINT_GLOO), dense first."""
+        return {**group_ranks(self.tp_size, self.dp_size, self.pp_size, self.cp_size),
+                **expert_group_ranks(self.etp_size, self.ep_size, self.edp_size, self.pp_size)}
+
+    def group_coordinates(self) -> dict[str, tuple[int, int]]:
+        """(this rank's index, size) in every named group it belongs to, by rank arithmetic alone (no process group
+        needed): checkpoint sharding reads the coordinates of a placement's shard group from it."""
+        coords = {name: (ranks.index(self.rank), len(ranks)) for name, all_groups in self.group_ranks().items()
+                  for ranks in all_groups if self.rank in ranks}
+        coords["world"] = coords[CHECKPOINT_GLOO] = (self.rank, self.world_size)
+        return coords
 
     @property
     def dp_size(self) -> int:
@@ -223,6 +327,9 @@ class ParallelState:
                 f"{self.pp_size}" + (f", --num-layers-per-virtual-pipeline-stage {vpp}" if vpp else "")
                 + (", --sequence-parallel" if self.sequence_parallel else "")
                 + (f", --pipeline-schedule {self.pipeline_schedule}" if self.pp_size > 1 else "")
+                + (f", --expert-model-parallel-size {self.ep_size}" if self.ep_size != 1 else "")
+                + (f", --expert-tensor-parallel-size {self.etp_size}"
+                   if self.etp_size not in (None, self.tp_size) else "")
                 + "".join(f", {flag} {value}" for flag, value in (
                     ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
                     ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers)) if value is not None))
@@ -233,7 +340,8 @@ class ParallelState:
                     pp=self.pipeline_model_parallel_size, cp=self.context_parallel_size, vpp_layers=self.num_layers_per_virtual_pipeline_stage,
                     sequence_parallel=self.sequence_parallel, pipeline_schedule=self.pipeline_schedule,
                     first_stage_layers=self.decoder_first_pipeline_num_layers,
-                    last_stage_layers=self.decoder_last_pipeline_num_layers)
+                    last_stage_layers=self.decoder_last_pipeline_num_layers, ep=self.expert_model_parallel_size,
+                    etp=self.expert_tensor_parallel_size)
 
     def _raise_if(self, errors: list[str], model_facts: str = "") -> None:
         if errors:
@@ -277,15 +385,36 @@ class ParallelState:
             rank = dist.get_rank() if rank is None else rank
         self.rank = 0 if rank is None else rank
         self.coords = rank_coordinates(self.rank, self.tp_size, self.dp_size, self.pp_size, self.cp_size)
-        for kind, all_groups in group_ranks(self.tp_size, self.dp_size, self.pp_size, self.cp_size).items():
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for kind, all_groups in self.group_ranks().items():
             self._handles[kind] = None
             for ranks in all_groups:
-                # Every rank creates every group (a torch.distributed rule); single-member groups need none.
-                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                # Every rank creates every group (a torch.distributed rule); single-member groups need none. An
+                # expert group with a dense group's ranks (all of them without MoE) shares its communicator.
+                group = None
+                if len(ranks) > 1:
+                    group = created.get(tuple(ranks)) if kind in EXPERT_GROUPS else None
+                    if group is None:
+                        group = created.setdefault(tuple(ranks), dist.new_group(ranks, timeout=timeout))
                 if self.rank in ranks:
                     self._handles[kind] = GroupHandle(group=group, ranks=tuple(ranks), rank=ranks.index(self.rank),
                                                       counters=self.comm)
+        self._handles["world"] = self._whole_world(dist.group.WORLD if self.world_size > 1 else None)
+        gloo = None
+        if self.world_size > 1:  # created now, by every rank together: a lazy creation could deadlock
+            gloo = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+                list(range(self.world_size)), timeout=timeout, backend="gloo")
+        self._handles[CHECKPOINT_GLOO] = self._whole_world(gloo)
         return self
+
+    def _whole_world(self, group: dist.ProcessGroup | None) -> GroupHandle:
+        return GroupHandle(group=group, ranks=tuple(range(self.world_size)), rank=self.rank, counters=self.comm)
+
+    def group(self, name: str) -> GroupHandle:
+        """This rank's group called ``name`` (see the class docstring)."""
+        if self._handles and name not in self._handles:
+            raise KeyError(f"ParallelState: no process group named {name!r}; known: {', '.join(self._handles)}")
+        return self._handle(name)
 
     def _handle(self, kind: str) -> GroupHandle:
         if kind not in self._handles:

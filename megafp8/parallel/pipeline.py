@@ -45,7 +45,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, Fp8ScalingManager
+from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, Fp8ScalingManager, precision_plans
 from megafp8.fp8.deferred_wgrad import WgradDeferral
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.parallel import collectives as C
@@ -174,11 +174,12 @@ class Pipeline:
     """This rank's model chunks and the step that runs one global batch (this DP rank's share) through them.
 
     ``chunks``: the GPTModel of each local stage in pipeline order (their parameter names are global, so
-    ``state_dict()`` is layout-independent). ``step(input_ids, labels, loss_mask=None)`` runs forward and
-    backward over ``num_microbatches`` micro-batches and leaves in every parameter's ``.grad`` (or
+    ``state_dict()`` is layout-independent). ``forward_backward(input_ids, labels, loss_mask=None)`` runs forward
+    and backward over ``num_microbatches`` micro-batches and leaves in every parameter's ``.grad`` (or
     ``main_grad``) the gradient of the batch's mean token loss on this DP rank: sequence-parallel grads
-    reduced over TP, tied-embedding grads summed over the embedding group, delayed FP8 scales updated.
-    The data-parallel reduction and the optimizer step are the caller's.
+    reduced over TP, tied-embedding grads summed over the embedding group. ``update_fp8_scales()`` then folds
+    the step's amaxes into the delayed FP8 scales; ``step`` does both. The data-parallel reduction and the
+    optimizer step are the caller's.
     """
 
     # --calculate-per-token-loss: the gradient is of the whole global batch's token mean (the DP x CP ranks'
@@ -221,11 +222,20 @@ class Pipeline:
         self.modules = ModelChunks(self.chunks)
         self.fp8_manager: Fp8ScalingManager | None = (
             fp8_scaling_manager(self.modules, ps) if fp8_recipe is not None and fp8_recipe.is_delayed else None)
+        self.precision_plans = precision_plans(self.modules)
+        for plan in self.precision_plans:
+            plan.on_change(self._follow_precision)
         self._step_tokens = torch.ones(())
         self.deferrals: list[WgradDeferral] = []  # one per chunk when FP8 wgrads are split into W
         self.schedule = self._build_schedule(fp8_recipe, split_weight_grads) if ps.pp_enabled else None
 
     # ---- construction ---------------------------------------------------------------------------
+    def _follow_precision(self, _changes) -> None:
+        """A plan moved layers: a delayed recipe that appears needs the scaling manager (once made, it stays: it finds
+        the layers' states itself, and has none to update when no layer keeps any)."""
+        if self.fp8_manager is None and any(plan.has_delayed_recipe() for plan in self.precision_plans):
+            self.fp8_manager = fp8_scaling_manager(self.modules, self.parallel_state)
+
     def _p2p_shape(self) -> tuple[int, int, int]:
         ps = self.parallel_state
         seq = self._local_seq_length()
@@ -285,12 +295,23 @@ class Pipeline:
         return (per_token * mask).sum() / self._step_tokens
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward + backward of ``[micro_batch_size * num_microbatches, seq]`` tokens; returns the mean
+        """``forward_backward`` then ``update_fp8_scales``: one whole step's gradients and scales; returns the mean
         token loss (fp32 scalar, on every pipeline rank)."""
+        loss = self.forward_backward(input_ids, labels, loss_mask)
+        self.update_fp8_scales()
+        return loss
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward + backward of ``[micro_batch_size * num_microbatches, seq]`` tokens (every micro-batch, any
+        schedule) and the SP / tied-embedding grad reductions, but no FP8 scale update: the observed amaxes stay
+        pending, so the step can still be re-run from a restored state (megafp8.training.step_state). Returns the
+        mean token loss (fp32 scalar, on every pipeline rank)."""
         expected = (self.micro_batch_size * self.num_microbatches, self._local_seq_length())
         if tuple(input_ids.shape) != expected or tuple(labels.shape) != expected:
-            raise ValueError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} / labels {tuple(labels.shape)} must be "
-                             f"[--micro-batch-size x micro-batches, --seq-length / CP] = {list(expected)}")
+            raise ValueError(f"Pipeline.forward_backward: input_ids {tuple(input_ids.shape)} / labels "
+                             f"{tuple(labels.shape)} must be [--micro-batch-size x micro-batches, --seq-length / CP] "
+                             f"= {list(expected)}")
         mask = torch.ones(expected, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
         self._step_tokens = loss_normalizer(mask, self._loss_token_group())  # the CP (or DP x CP) ranks' tokens too
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
@@ -299,9 +320,14 @@ class Pipeline:
         if self.reduce_replicated_grads:
             allreduce_sequence_parallel_grads(self.modules, self.parallel_state)
             self._allreduce_tied_embedding_grads()
+        return loss
+
+    def update_fp8_scales(self) -> None:
+        """The delayed-scaling update of this rank's chunks: the step's pending amaxes max-reduced over the stage's
+        amax group (one collective), histories rolled, new scales. Once per step, after ``forward_backward``, also
+        when the optimizer then skips the step; a no-op without a delayed FP8 recipe."""
         if self.fp8_manager is not None:
             self.fp8_manager.update()
-        return loss
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,

@@ -46,7 +46,7 @@ class SwitchedWeight:
         shard = torch.zeros(max(hi - lo for lo, hi in pieces), dtype=param.dtype, device=device)
         param.data = weight
         if bucket.fp8_data is not None:
-            bucket.fp8_data[start:end].zero_()  # still gathered with the bucket, never read again
+            bucket.fp8_slice(start, end).zero_()  # still gathered with the bucket, never read again
         return cls(param, bucket, pieces, start + pieces[dp.rank][0], shard, weight)
 
     @property

@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
-from megafp8.fp8.recipe import FORMATS, SCALINGS
+from megafp8.fp8.recipe import FORMATS, scaling_names
 from megafp8.model.config import ACTIVATIONS, rope_scaling_flag
 from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=FORMATS, default=None,
                    help="turns FP8 GEMMs on: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients, as in "
                         "TransformerEngine)")
-    g.add_argument("--fp8-recipe", choices=SCALINGS, default="delayed",
+    g.add_argument("--fp8-recipe", choices=scaling_names(), default="delayed",  # the registry: built-ins + registered
                    help="how each FP8 tensor is scaled (docs/training.md 'The recipes', docs/fp8.md)")
     g.add_argument("--fp8-amax-history-len", type=int, default=1,
                    help="delayed scaling: amaxes remembered per tensor (the scale comes from their max)")

@@ -20,7 +20,7 @@ def fp8_gemm_self_check(M: int = 256, N: int = 512, K: int = 1024, seed: int = 0
         gran_x, gran_w = mode.operand_granularities
         qx = quantize(x.to(device), E4M3.dtype, gran_x)
         qw = quantize(w.to(device), E4M3.dtype, gran_w)
-        out = fp8_gemm(qx.data, qw.data, qx.scale_inv, qw.scale_inv).cpu().double()
+        out = fp8_gemm(qx.data, qw.data, qx.scale_inv, qw.scale_inv, layouts=mode.operand_layouts).cpu().double()
         results[mode.value] = (10 * torch.log10(exact.pow(2).mean() / (out - exact).pow(2).mean())).item()
     return results
 

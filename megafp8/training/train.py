@@ -1,12 +1,17 @@
-"""The training loop: micro-batches through the model, the optimizer step, the FP8 scaling update, the
+"""The training loop: micro-batches through the model, the FP8 scaling update, the optimizer step, the
 LR schedule, evaluation, logging, checkpoints and the exit conditions, on one rank of a 3D layout.
 
-Order of one iteration (every rank):
-    zero the grad buffer -> Pipeline.step: forward/backward of each micro-batch, the SP/tied-embedding grad
-    all-reduces, then the FP8 delayed-scaling update (one amax collective; it runs even when the optimizer step
-    is then skipped) -> optimizer step, which first finishes the DP grad reduction, at lr(consumed samples), the
-    embedding and output layer at --decoupled-lr's schedule (skipped on every rank if any grad is non-finite) ->
-    saturation guard -> log / evaluate / save / exit.
+Order of one iteration (every rank), in the phases of Trainer.train_step:
+    1. forward_backward: zero the grad buffer, Pipeline.forward_backward: forward/backward of each micro-batch,
+       the SP/tied-embedding grad all-reduces (the FP8 amaxes stay pending);
+    2. update_fp8_scales: the trainer runs the FP8 delayed-scaling update (one amax collective) right after the
+       backward, before the optimizer step, and also when that step is then skipped;
+    3. prepare_optimizer_step: DistributedOptimizer.prepare finishes the DP grad reduction and computes the global
+       grad norm and its finite flag, touching no parameter (a StepState restore can still re-run the step);
+    4. apply_optimizer_step: DistributedOptimizer.apply at lr(consumed samples), the embedding and output layer at
+       --decoupled-lr's schedule (skipped on every rank if any grad is non-finite), which publishes the weights
+       (FP8 ones under the scales of phase 2) -> saturation guard;
+    then log / evaluate / save / exit.
 
 An iteration that does not log asks the device nothing: the loss, the grad norm and the skipped/NaN counts
 stay device tensors, read on log iterations (and before a save) by one copy of a packed tensor. The FP8
@@ -24,6 +29,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +44,9 @@ from megafp8.training.data_setup import batches, build_datasets
 from megafp8.training.flops import flops_per_iteration
 from megafp8.training.profiling import IterationProfiler
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
+
+if TYPE_CHECKING:  # annotations only: the flag checks import this module's schedules without the optimizer
+    from megafp8.optim.distributed_optimizer import GradStats, StepResult
 
 
 @dataclass
@@ -199,25 +208,51 @@ class Trainer:
         each rank's token mean (under CP each rank's is CP x its chunks' share of the sequence mean, so the mean
         is CP=1's); with --calculate-per-token-loss each rank's is DP x CP x its token-loss sum over the global
         batch's loss tokens (the pipeline's normalizer), so the mean is the global batch's token mean, as
-        Megatron logs it (the summed losses over the summed tokens)."""
+        Megatron logs it (the summed losses over the summed tokens).
+
+        The step's phases, in order (the module docstring): ``forward_backward``, ``update_fp8_scales``,
+        ``prepare_optimizer_step``, ``apply_optimizer_step``. Up to ``apply_optimizer_step`` no parameter or
+        optimizer state has changed, so a StepState captured before the step can restore it for a re-run."""
+        loss = self.forward_backward()
+        self.update_fp8_scales()
+        result = self.apply_optimizer_step(self.prepare_optimizer_step())
+        return _mean_over(loss, self.ps.dp_group.group), ~result.skipped_flag, result.grad_norm_tensor
+
+    def forward_backward(self) -> torch.Tensor:
+        """Phase 1: a zeroed grad buffer, the next global batch, forward and backward of its micro-batches; this
+        rank's loss (a device tensor). The FP8 amaxes it observed stay pending."""
         self.ddp.zero_grad_buffer()
         inputs, labels = self._global_batch(self.train_batches)
         loss_mask = self.loss_mask(labels)
         if self.forced_overflow_layer is not None:
             self.forced_overflow.arm(self.forced_overflow_layer, self.progress.iteration + 1)
-        loss = self.pipeline.step(inputs, labels, loss_mask)  # also the FP8 amax reduction and scale update
+        loss = self.pipeline.forward_backward(inputs, labels, loss_mask)
         if self.args.empty_unused_memory_level >= 1:  # Megatron's places: level 1 after forward/backward,
             torch.cuda.empty_cache()                   # level 2 after the optimizer step as well
+        return loss
+
+    def update_fp8_scales(self) -> None:
+        """Phase 2: the FP8 delayed-scaling update (one amax collective), also before a step the optimizer skips:
+        the next step's scales, under which ``apply_optimizer_step`` publishes the FP8 weights."""
+        self.pipeline.update_fp8_scales()
+
+    def prepare_optimizer_step(self) -> GradStats:
+        """Phase 3: the DP grad reduction finished, the global grad norm and whether it is finite (on the device)."""
+        return self.optimizer.prepare()
+
+    def apply_optimizer_step(self, stats: GradStats) -> StepResult:
+        """Phase 4: the update at lr(consumed samples) (--decoupled-lr's schedule for the embedding and output
+        layer), skipped on every rank if ``stats`` say non-finite; then the saturation guard's check."""
         consumed = self.progress.consumed_samples
         decoupled_lr = self.decoupled_schedule(consumed) if self.decoupled_schedule is not None else None
-        result = self.optimizer.step(self.schedule(consumed), decoupled_lr=decoupled_lr)  # finishes the DP grad sync
+        result = self.optimizer.apply(self.schedule(consumed), stats, decoupled_lr=decoupled_lr)
         if self.args.empty_unused_memory_level >= 2:
             torch.cuda.empty_cache()
         if self.guard is not None:
             for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
                 if self.is_stage_lead:
                     print(f" {message}", flush=True)
-        return _mean_over(loss, self.ps.dp_group.group), ~result.skipped_flag, result.grad_norm_tensor
+        return result
 
     @torch.no_grad()
     def evaluate(self) -> float:

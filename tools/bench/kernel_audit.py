@@ -304,7 +304,8 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
                 raise RuntimeError(gluon_error)
             with CompileRecorder() as rec:
                 G.fp8_gemm_triton(a, b, sa, sb, out_dtype=out_dtype, out=out, accumulate=case.accumulate,
-                                  config=config, fast_accum=fast, precise_kernel=precise_kernel)
+                                  config=config, fast_accum=fast, precise_kernel=precise_kernel,
+                                  layouts=mode.operand_layouts)
             (fn_name, kernel), = [k for k in rec.kernels if k[0] in (G.GEMM_KERNEL_NAME, GLUON_GEMM_KERNEL_NAME)]
             row.update(_describe(kernel, ptxas))
         except Exception as err:
@@ -382,7 +383,8 @@ def training_cases(quick: bool):
                     with CompileRecorder() as rec:
                         G.fp8_gemm_triton(a, b, sa, sb, out_dtype=out_dtype, accumulate=v.accumulate,
                                           out=torch.empty(M, N, dtype=out_dtype) if v.accumulate else None,
-                                          config=G.SM90_DEFAULT_CONFIG, fast_accum=v.fast, precise_kernel="triton")
+                                          config=G.SM90_DEFAULT_CONFIG, fast_accum=v.fast, precise_kernel="triton",
+                                          layouts=v.mode.operand_layouts)
                     compiled += [(f"{v._replace(shape=(M, N, K)).name} {model.name}", *k) for k in rec.kernels
                                  if k[0] == G.GEMM_KERNEL_NAME]
             return compiled
