@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from optim_testing import build, make_ddp, tiny_config, train_step
 from megafp8.fp8 import (CONFIG, GUARD, SCHEDULE, Fp8GemmModule, Fp8Linear, Fp8Recipe, Quantizer, ScalingRule,
-                         layer_recipes, plan_of, precision_plan, register_scaling, scaling_names)
+                         layer_recipes, plan_of, precision_plan, registered_scaling, scaling_names)
 from megafp8.fp8.telemetry import Fp8TensorStats
 from megafp8.optim import DistributedOptimizer
 from megafp8.parallel.parallel_state import ParallelState
@@ -137,8 +137,12 @@ class _Fake4BitQuantizer(Quantizer):
 
 
 def test_widest_bits_reads_the_widest_format_on_the_ladder_and_demote_walks_it():
-    if "plan_fake_fp4" not in scaling_names():
-        register_scaling("plan_fake_fp4", ScalingRule(lambda role, gemm: PER_TENSOR, quantizer=_Fake4BitQuantizer))
+    with registered_scaling("plan_fake_fp4", ScalingRule(lambda role, gemm: PER_TENSOR, quantizer=_Fake4BitQuantizer)):
+        _widest_bits_and_demote()
+    assert "plan_fake_fp4" not in scaling_names()  # nothing leaks into other tests (--fp8-recipe's choices)
+
+
+def _widest_bits_and_demote():
     fp4, fp8 = Fp8Recipe(scaling="plan_fake_fp4"), Fp8Recipe.tensorwise()
     model = torch.nn.Sequential(Fp8Linear(32, 32, recipe=fp8))
     plan = precision_plan(model)

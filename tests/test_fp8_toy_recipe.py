@@ -8,16 +8,20 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import toy_per64_recipe
 from data_fixtures import REPO_ROOT, write_synthetic_dataset
-from megafp8.fp8 import Fp8Linear, Fp8Recipe
+from megafp8.fp8 import Fp8Linear, Fp8Recipe, registered_scaling
 from megafp8.training.megatron_flags import LLAMA_FLAGS
 from megafp8_kernels import has_kernel
 
-toy_per64_recipe.register()
-RECIPE = Fp8Recipe(scaling="toy_per64", fp8_format="e4m3")
+@pytest.fixture(scope="module")
+def recipe():
+    """The toy recipe, registered for this module only: the registry is process-wide (--fp8-recipe's choices)."""
+    with registered_scaling("toy_per64", toy_per64_recipe.RULE):
+        yield Fp8Recipe(scaling="toy_per64", fp8_format="e4m3")
 
 
 def _fp64(q) -> torch.Tensor:
@@ -26,25 +30,25 @@ def _fp64(q) -> torch.Tensor:
     return data.double() * scale_inv.double().repeat_interleave(64, dim=1)[:, :data.shape[1]]
 
 
-def test_the_recipe_hands_out_its_quantizer_for_every_role_and_gemm():
+def test_the_recipe_hands_out_its_quantizer_for_every_role_and_gemm(recipe):
     for role, gemm in (("input", "fprop"), ("weight", "fprop"), ("weight", "dgrad"), ("grad_output", "wgrad")):
-        quantizer = RECIPE.quantizer(role, gemm)
+        quantizer = recipe.quantizer(role, gemm)
         assert isinstance(quantizer, toy_per64_recipe.Per64Quantizer)
         assert quantizer.layout == toy_per64_recipe.BLOCK_1X64
-    assert not RECIPE.is_delayed and not RECIPE.fast_accum("fprop")
-    q = RECIPE.quantizer("input").quantize(torch.randn(8, 128)).tensor
+    assert not recipe.is_delayed and not recipe.fast_accum("fprop")
+    q = recipe.quantizer("input").quantize(torch.randn(8, 128)).tensor
     assert not has_kernel(q, q)  # no FP8 kernel for 1x64: scaled_gemm runs the twin (never a guessed mode)
 
 
-def test_the_linear_layer_runs_fprop_dgrad_and_wgrad_through_the_toy_quantizer():
+def test_the_linear_layer_runs_fprop_dgrad_and_wgrad_through_the_toy_quantizer(recipe):
     torch.manual_seed(0)
-    layer = Fp8Linear(192, 96, bias=False, recipe=RECIPE)
+    layer = Fp8Linear(192, 96, bias=False, recipe=recipe)
     x = (torch.randn(32, 192) * torch.rand(1, 192) * 4).requires_grad_()
     y = layer(x)
     grad_y = torch.randn_like(y)
     y.backward(grad_y)
 
-    quantize = RECIPE.quantizer("input").quantize
+    quantize = recipe.quantizer("input").quantize
     x_q, w_q = quantize(x.detach()).tensor, quantize(layer.weight.detach(), transpose=True).tensor
     dy_q = quantize(grad_y, transpose=True).tensor
     x_t = quantize(x.detach(), transpose=True).tensor.t()

@@ -36,10 +36,13 @@ class Per64Quantizer(Quantizer):
         return saturating_cast(scaled, self.format), reciprocal(scale), amax, counts
 
 
+# The recipe entry: every role and GEMM in 1x64 blocks, current scaling, fp32 promotion (no fast-accumulation kernel).
+RULE = ScalingRule(lambda role, gemm: BLOCK_1X64, fast_accum=False, default_format="e4m3", quantizer=Per64Quantizer)
+
+
 def register() -> None:
     if "toy_per64" not in scaling_names():
-        register_scaling("toy_per64", ScalingRule(lambda role, gemm: BLOCK_1X64, fast_accum=False,
-                                                  default_format="e4m3", quantizer=Per64Quantizer))
+        register_scaling("toy_per64", RULE)
 
 
 if __name__ == "__main__":

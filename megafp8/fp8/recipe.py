@@ -2,10 +2,11 @@
 it hands out a Quantizer per (role, GEMM) from the scaling rule registered under its name (`--fp8-recipe`'s choices)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 
@@ -58,6 +59,24 @@ def register_scaling(name: str, rule: ScalingRule) -> None:
     if name in SCALING_RULES:
         raise ValueError(f"an FP8 recipe named {name!r} is already registered")
     SCALING_RULES[name] = rule
+
+
+def unregister_scaling(name: str) -> None:
+    """Remove a registered recipe (not a built-in); recipes already built with it stop resolving."""
+    if name in SCALINGS:
+        raise ValueError(f"the built-in FP8 recipe {name!r} cannot be removed")
+    del SCALING_RULES[name]
+    _quantizer.cache_clear()  # a later rule under the same name must not get this one's quantizers
+
+
+@contextlib.contextmanager
+def registered_scaling(name: str, rule: ScalingRule) -> Iterator[None]:
+    """`register_scaling` for the duration of a `with` block (tests; a process-wide plugin calls register_scaling)."""
+    register_scaling(name, rule)
+    try:
+        yield
+    finally:
+        unregister_scaling(name)
 
 
 def scaling_names() -> tuple[str, ...]:

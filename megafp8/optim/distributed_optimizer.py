@@ -127,6 +127,7 @@ class DistributedOptimizer:
         self._shard_view_cache: tuple[tuple, tuple] | None = None  # per bucket shard: param_data and master views
         # Counters on the device: whether a step counts is known there only (the finite flag).
         self._step = torch.zeros((), dtype=torch.int64, device=device)
+        self.pending_stats: GradStats | None = None  # prepare()'s, until apply() consumes them
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._betas = torch.tensor(betas, dtype=torch.float64, device=device)  # once, not a blocking copy per step
         self._fp8_publication: Fp8Publication | None = None
@@ -281,8 +282,10 @@ class DistributedOptimizer:
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         """One AdamW step with learning rate ``lr``, and ``decoupled_lr`` for the ``decoupled_lr_params`` (None: ``lr``
         for all); the training loop owns the schedules. Skipped (every stored state kept) when the global grad norm
-        is not finite; every rank sees the same all-reduced norm. ``prepare`` then ``apply``."""
-        return self.apply(lr, self.prepare(), decoupled_lr=decoupled_lr)
+        is not finite; every rank sees the same all-reduced norm. ``prepare`` then ``apply``; when the caller already
+        ran ``prepare`` (the trainer's phases), its stats, still pending, are the ones applied."""
+        stats = self.pending_stats if self.pending_stats is not None else self.prepare()
+        return self.apply(lr, stats, decoupled_lr=decoupled_lr)
 
     @torch.no_grad()
     def prepare(self) -> GradStats:
@@ -296,13 +299,15 @@ class DistributedOptimizer:
         if self.clip_grad > 0:  # the python rule clip_grad / (norm + 1e-6), in fp64 as before, then fp32
             shifted = norm + 1e-6
             clip = torch.where(shifted > self.clip_grad, torch.full_like(shifted, self.clip_grad) / shifted, 1.0).float()
-        return GradStats(norm, torch.isfinite(norm), clip)
+        self.pending_stats = GradStats(norm, torch.isfinite(norm), clip)
+        return self.pending_stats
 
     @torch.no_grad()
     def apply(self, lr: float, stats: GradStats, decoupled_lr: float | None = None) -> StepResult:
         """The step's second half: the AdamW update from ``prepare``'s ``stats`` (kept states where they say
         non-finite), the counters, and the publication of the new weights (see ``step`` for the LRs)."""
         norm, finite, clip = stats.grad_norm, stats.finite, stats.clip
+        self.pending_stats = None
         step = self._step + 1  # this update's count, committed only if finite
         beta1, beta2 = self.betas
         powers = torch.pow(self._betas, step.double())

@@ -85,6 +85,7 @@ class StepState:
             for module in trainer.pipeline.modules.modules():
                 if isinstance(module, Fp8GemmModule):
                     module.drop_quantized_weight_cache()
+        trainer.optimizer.pending_stats = None  # a prepare() of the dropped attempt: the re-run prepares again
         counters = _device_counters(trainer)
         for path, host in self.counters.items():
             _copy_back(counters[path], host)

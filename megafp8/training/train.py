@@ -245,7 +245,11 @@ class Trainer:
         layer), skipped on every rank if ``stats`` say non-finite; then the saturation guard's check."""
         consumed = self.progress.consumed_samples
         decoupled_lr = self.decoupled_schedule(consumed) if self.decoupled_schedule is not None else None
-        result = self.optimizer.apply(self.schedule(consumed), stats, decoupled_lr=decoupled_lr)
+        if stats is not self.optimizer.pending_stats:
+            raise ValueError("apply_optimizer_step takes the stats of the last prepare_optimizer_step")
+        # Through step(), which applies those pending stats: the one entry that wrappers of the update (tools,
+        # tests recording the learning rates) see, whether the trainer runs in phases or not.
+        result = self.optimizer.step(self.schedule(consumed), decoupled_lr=decoupled_lr)
         if self.args.empty_unused_memory_level >= 2:
             torch.cuda.empty_cache()
         if self.guard is not None:
