@@ -46,8 +46,11 @@ def test_train_runs_fit_the_train_budget():
     timeout would lose the rows after it)."""
     budget, command = _dry_run()["train"]
     timeout = float(command.split("--timeout ")[1].split()[0])
-    runs = command.split("--only ")[1].split(" --json")[0].count('"') // 2
-    assert runs == 5 and runs * timeout <= budget
+    compile_timeout = float(command.split("--compile-timeout ")[1].split()[0])
+    names = command.split("--only ")[1].split(" --json")[0].split('" "')
+    compiled = sum(name.strip('"').endswith((" + compile", " + cuda graph")) for name in names)
+    assert (len(names), compiled) == (6, 3)
+    assert (len(names) - compiled) * timeout + compiled * compile_timeout <= budget
 
 
 def test_precompile_shards_cover_every_case_once_and_fit_the_budget():

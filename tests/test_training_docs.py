@@ -47,7 +47,8 @@ def test_print_flags_lists_every_parser_flag_by_group():
     assert sorted(listed) == sorted(_parser_flags())
     titles = re.findall(r"^### (.+)$", result.stdout, re.MULTILINE)
     assert titles == ["model", "parallelism", "precision and FP8", "optimizer and schedule", "training and data",
-                      "checkpoints", "logging", "Megatron-LM implementation choices (accepted)"]
+                      "checkpoints", "logging", "compile and CUDA graphs",
+                      "Megatron-LM implementation choices (accepted)"]
     assert "| `--fp8-recipe` | delayed \\| tensorwise \\| rowwise \\| blockwise | `delayed` |" in result.stdout
     assert "| `--no-fp8-saturation-guard` | switch |  | turn the saturation guard off" in result.stdout  # no "True"
     assert "| `--fp8-self-check` | switch |" in result.stdout

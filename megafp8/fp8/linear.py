@@ -44,6 +44,7 @@ class Fp8GemmModule(nn.Module):
         self.telemetry_enabled = False
         self.forced_overflow_factor: float | None = None
         self.wgrad_deferral = None  # a zero-bubble pipeline chunk's WgradDeferral (deferred_wgrad.py)
+        self.smooths_input = False  # Smooth-SwiGLU's FC2: quantizes W / s, s per input (set by the MLP)
         self.fp8_telemetry: dict[str, dict[str, torch.Tensor]] = {}
         self.fp8_scaling = nn.ModuleDict()
         self._weight_cache: tuple[tuple, Float8Tensor, bool] | None = None  # (key, weight, observed)
@@ -96,12 +97,10 @@ class Fp8GemmModule(nn.Module):
         first forward re-quantizes under the new scale even if the weight did not change (a skipped step),
         as a module freshly loaded from the state dict does."""
         transpose = torch.is_grad_enabled()  # dgrad needs W^T; inference does not
+        if torch.compiler.is_compiling():
+            return self._compiled_fp8_weight(recipe, weight, transpose, observe)
         if self._injected_weight is not None:
             return self._injected_fp8_weight(recipe, transpose)
-        if torch.compiler.is_compiling():
-            # (kernels helper, for torch.compile) dynamo cannot trace the data_ptr/_version cache key (a
-            # graph break per layer): a compiled forward quantizes the weight inside its graph instead.
-            return self._quantize_weight(weight.detach(), recipe, transpose, observe)
         state = self.scaling_state("weight", recipe)
         key = (recipe, weight.data_ptr(), weight._version, state.scale_version if state is not None else None)
         cached = self._weight_cache
@@ -112,6 +111,27 @@ class Fp8GemmModule(nn.Module):
             fp8 = self._quantize_weight(weight.detach(), recipe, transpose, observe)
             cached = self._weight_cache = (key, fp8, observe or not recipe.is_delayed)
         return cached[1]
+
+    def prepare_fp8_weight(self) -> None:
+        """Quantize (or check the injected) FP8 weight for the next forward now, eagerly, as that forward would:
+        megafp8.model.compile calls it before a compiled layer runs, so that the compiled graph reads the cached
+        weight (dynamo cannot trace the cache's data_ptr/_version/scale_version key) instead of quantizing it in
+        every micro-batch. A no-op in high precision and under Smooth-SwiGLU (whose W / s changes per input)."""
+        recipe = resolve_recipe(self.recipe, self.runs_high_precision)
+        weight = getattr(self, "weight", None)
+        if recipe is not None and isinstance(weight, torch.Tensor) and not self.smooths_input:
+            self.fp8_weight(recipe, weight, observe=torch.is_grad_enabled() and self.training)
+
+    def _compiled_fp8_weight(self, recipe: Fp8Recipe, weight: torch.Tensor, transpose: bool,
+                             observe: bool) -> Float8Tensor:
+        """Inside a torch.compile graph: the weight prepare_fp8_weight() left (injected or cached), read without
+        the host-side checks; with none there (a plain torch.compile of the model), quantized in the graph."""
+        ready = self._injected_weight if self._injected_weight is not None else (
+            self._weight_cache[1] if self._weight_cache is not None and (self._weight_cache[2] or not observe)
+            else None)
+        if ready is not None and (ready.data_t is not None or not transpose):
+            return ready
+        return self._quantize_weight(weight.detach(), recipe, transpose, observe)
 
     def _quantize_weight(self, weight: torch.Tensor, recipe: Fp8Recipe, transpose: bool, observe: bool) -> Float8Tensor:
         with torch.no_grad():

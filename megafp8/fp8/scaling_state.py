@@ -96,7 +96,9 @@ class ScalingState(nn.Module):
     def observe(self, amax: torch.Tensor) -> None:
         """Fold one micro-batch's amax into this step's (no host sync: stays a device tensor)."""
         torch.maximum(self.pending_amax, amax.reshape(()).to(self.pending_amax), out=self.pending_amax)
-        if self._observed_at is None:
+        # Only a cold state needs the clock (is_cold); a warm one writes no host attribute, so a forward compiled
+        # by torch.compile can observe inside its graph (dynamo refuses a host write inside an autograd.Function).
+        if not self._warm and self._observed_at is None:
             self._observed_at = self._clock.updates
 
     @torch.no_grad()

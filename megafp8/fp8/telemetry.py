@@ -30,12 +30,13 @@ class Fp8TensorStats(NamedTuple):
 
     counts: int64 [saturated, flushed] of the row-major cast (Fp8Quantized.counts): saturated = |x| * scale
     past saturation_threshold (a group's own amax maps to FP8_MAX and is not clipped), flushed = nonzero x
-    that became +-0."""
+    that became +-0. A compiled layer's slots (add_fp8_telemetry_slots) hold the amax's max, the scale_inv's min
+    and the numel as device tensors of fixed shapes."""
 
     amax: torch.Tensor  # per scaling group
     scale_inv: torch.Tensor  # per scaling group
     counts: torch.Tensor
-    numel: int
+    numel: int | torch.Tensor
 
     def values(self) -> dict[str, torch.Tensor]:
         fractions = self.counts / self.numel  # float32, as the guard's
@@ -51,8 +52,31 @@ def record_fp8_stats(layer: nn.Module, role: str, fp8, counts: torch.Tensor, ama
     """Keep this quantization's statistics on `layer` under `role` (input, weight, grad_output): the tensors
     the quantizer returned with stats=True, no op of its own."""
     _, scale_inv = fp8.row_major()
+    slot = getattr(layer, "fp8_telemetry_slots", {}).get(role)
+    if slot is not None:
+        # A compiled layer (megafp8.model.compile): a graph cannot hand its intermediates to the host, so it
+        # writes the statistics, reduced to fixed shapes, into the slots the layer owns (fused by inductor).
+        slot.amax.copy_(amax.float().amax())
+        slot.scale_inv.copy_(scale_inv.float().amin())
+        slot.counts.copy_(counts)
+        slot.numel.fill_(fp8.logical_numel)
+        return
     # Elements of the logical tensor, not of the payload (a packed 4-bit payload holds two per byte).
     layer.fp8_telemetry[role] = Fp8TensorStats(amax, scale_inv, counts, fp8.logical_numel)
+
+
+def add_fp8_telemetry_slots(layer: nn.Module, roles: tuple[str, ...], device: torch.device) -> None:
+    """Give `layer` statistics it owns for `roles`, written in place by record_fp8_stats from now on: what a
+    torch.compile'd layer needs (its graph cannot store references). Call it (eagerly) right before the layer
+    records them: a slot reads NaN saturation until its first write."""
+    slots = layer.__dict__.setdefault("fp8_telemetry_slots", {})
+    for role in roles:
+        if role not in slots:
+            slots[role] = Fp8TensorStats(torch.zeros((), device=device), torch.ones((), device=device),
+                                         torch.zeros(2, dtype=torch.int64, device=device),
+                                         torch.zeros((), dtype=torch.int64, device=device))
+        if layer.fp8_telemetry.get(role) is not slots[role]:
+            layer.fp8_telemetry[role] = slots[role]
 
 
 def enable_fp8_telemetry(model: nn.Module, enabled: bool = True) -> None:
@@ -81,7 +105,11 @@ class _LaggedFlags:
     def __init__(self, lag: int, device: torch.device):
         cuda = device.type == "cuda"
         self.lag, self.count = lag, 0
-        self.host = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(lag + 1 if lag else 0)]
+        # A meta device (a shapes-only run: tools/bench/bench_host_overhead.py) has no flag value to copy out:
+        # its ring stays on meta (the same copy op per push) and never reads as tripped.
+        host = "meta" if device.type == "meta" else None
+        self.host = [torch.zeros((), dtype=torch.bool, pin_memory=cuda, device=host)
+                     for _ in range(lag + 1 if lag else 0)]
         self.events = [torch.cuda.Event() if cuda else None for _ in self.host]
 
     def push(self, flag: torch.Tensor) -> None:
@@ -97,6 +125,8 @@ class _LaggedFlags:
         slot = (self.count - 1 - self.lag) % len(self.host)
         if self.events[slot] is not None:
             self.events[slot].synchronize()  # `lag` iterations old: done unless the CPU ran that far ahead
+        if self.host[slot].is_meta:
+            return False
         # A plain read of host memory (no torch op, so nothing that could wait for the device).
         return ctypes.c_bool.from_address(self.host[slot].data_ptr()).value
 
@@ -174,9 +204,13 @@ class SaturationGuard:
             self._start(layers, stats)
         if stats:
             numels = [s.numel for _, s in stats]
-            if numels != self._numels:  # another batch shape: a host->device copy, no read
+            device = stats[0][1].counts.device
+            if any(isinstance(n, torch.Tensor) for n in numels):  # a compiled layer's slots: counted on the device
+                self._numels = None
+                self._device["numels"] = torch.stack([torch.as_tensor(n, device=device) for n in numels])
+            elif numels != self._numels:  # another batch shape: a host->device copy, no read
                 self._numels = numels
-                self._device["numels"] = torch.tensor(numels, device=stats[0][1].counts.device)
+                self._device["numels"] = torch.tensor(numels, device=device)
             self._strike(torch.stack([s.counts for _, s in stats]), -1 if iteration is None else iteration)
             if self.switch_lag:
                 self._flags.push(self._device["tripped"].any())

@@ -35,6 +35,8 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, parallel_state,
                                             init_method=init_method_normal(config.output_init_std),
                                             params_dtype=config.params_dtype, perform_initialization=False)
+        # Under Smooth-SwiGLU FC2 quantizes W / s per input: no per-step FP8 weight to prepare (megafp8.model.compile).
+        self.linear_fc2.smooths_input = self.activation == "smooth_swiglu"
 
     def forward(self, x: torch.Tensor, input_norm: RMSNormPrologue | None = None,
                 fuse_activation: bool = False) -> torch.Tensor:

@@ -47,6 +47,8 @@ class PrecisionFollower:
 
     @torch.no_grad()
     def _before_forward(self, _module: nn.Module, _args) -> None:
+        if torch.compiler.is_compiling():  # a compiled layer ran this hook eagerly before its graph (model/compile.py)
+            return
         for handle in self._armed.values():
             handle.remove()
         self._armed.clear()

@@ -424,6 +424,8 @@ class DistributedDataParallel(nn.Module):
             self._finish_param_gather(bucket)
 
     def _param_sync_pre_hook(self, module: nn.Module, _args) -> None:
+        if torch.compiler.is_compiling():  # a compiled layer ran this hook eagerly before its graph (model/compile.py)
+            return
         for p in module.parameters(recurse=False):
             bucket = self.bucket_of.get(p)
             if bucket is None or not bucket.param_sync_pending:

@@ -19,6 +19,7 @@ from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from megafp8.training import megatron_flags
+from megafp8.training.compilation import add_compile_flags, compile_errors
 from megafp8.training.profiling import profile_errors
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK", help="global ranks to profile")
     megatron_flags.add_logging_flags(g)
 
+    add_compile_flags(p.add_argument_group("compile and CUDA graphs"))
     megatron_flags.add_implementation_flags(p.add_argument_group("Megatron-LM implementation choices (accepted)"))
     return p
 
@@ -460,6 +462,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     errors += megatron_flags.megatron_flag_errors(args)
     errors += optional_package_errors(args)
     errors += profile_errors(args, world_size)
+    errors += compile_errors(args)
     return errors
 
 

@@ -23,7 +23,7 @@ MEGAFP8_ONLY = frozenset({
     "--fp8-power-of-2-scale", "--no-fp8-fprop-fast-accum", "--fp8-gemm-autotune", "--log-fp8-telemetry",
     "--no-fp8-saturation-guard", "--fp8-saturation-guard-threshold", "--fp8-saturation-guard-patience",
     "--fp8-self-check", "--master-weight-dtype", "--optimizer-state-dtype", "--keep-last", "--allow-changed-args",
-    "--log-dir",
+    "--log-dir", "--compile",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).
@@ -40,6 +40,7 @@ REFUSED_FLAGS = {
 
 # Megatron flags megafp8 honours for some values only: {flag: the values refused, and why}.
 REFUSED_VALUES = {
+    "--cuda-graph-scope": "full_iteration: megafp8 captures per layer (full or attn)",
     "--normalization": "LayerNorm (Megatron-LM's default): megafp8 builds RMSNorm only",
     "--swiglu": "left out: Megatron-LM then builds a GeLU MLP, which megafp8 does not",
     "--disable-bias-linear": "left out: Megatron-LM then adds linear biases, which megafp8's layers do not have",

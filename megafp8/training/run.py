@@ -13,11 +13,13 @@ import torch.distributed as dist
 from megafp8.checkpoint import CheckpointError
 from megafp8.fp8 import Fp8Recipe
 from megafp8.model import ModelConfig
+from megafp8.model.compile import compile_report
 from megafp8.optim import DistributedOptimizer
 from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline import build_pipeline
 from megafp8.training.checkpointing import Checkpointer
+from megafp8.training.compilation import apply_compile
 from megafp8.training.data_setup import close_batches
 from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 
@@ -27,15 +29,17 @@ from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 DECOUPLED_LR_PARAMS = ("embedding.weight", "output_layer.weight")
 
 
-def build_training_state(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig):
-    """(pipeline, ddp, optimizer) of this rank."""
+def build_training_state(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig,
+                         device: torch.device | str | None = None):
+    """(pipeline, ddp, optimizer) of this rank, on `device` (default: this rank's GPU, else the CPU; "meta" for
+    tools/bench/bench_host_overhead.py, which times the host's work of a step without any compute)."""
     recipe = Fp8Recipe.from_args(args)
     pipeline = build_pipeline(config, parallel_state, micro_batch_size=args.micro_batch_size,
                               num_microbatches=args.num_micro_batches, fp8_recipe=recipe,
                               first_last_layers_bf16=args.first_last_layers_bf16,
                               # The default split: FP8 wgrads in the zero-bubble W pass (they feed the grad
                               # buffer's hooks there); without FP8 no split (torch's W would bypass those hooks).
-                              reduce_replicated_grads=False)
+                              reduce_replicated_grads=False, device=device)
     pipeline.calculate_per_token_loss = args.calculate_per_token_loss
     ddp = DistributedDataParallel(pipeline.modules, parallel_state, DDPConfig.from_args(args, recipe))
     ddp.num_microbatches = args.num_micro_batches  # the schedule runs every backward: overlap on the last one
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
         os.environ[AUTOTUNE_ENV_VAR] = "1"
     torch.manual_seed(args.seed)  # data-independent randomness; parameters come from (seed, name) generators
     pipeline, ddp, optimizer = build_training_state(args, parallel_state, config)
+    compiled = apply_compile(args, pipeline.chunks)
     total_params, per_stage = parameter_counts(pipeline, parallel_state)
     if parallel_state.rank == 0:
         print("\n".join(startup_banner(args, parallel_state, total_params, per_stage)), flush=True)
@@ -148,6 +153,8 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
         progress = trainer.train()
     finally:  # --num-workers' processes end with the run, also when it fails
         close_batches(trainer.train_batches, trainer.valid_batches)
+    if trainer.is_logging_rank and compiled:
+        print(f"megafp8: {compile_report().line()}", flush=True)
     if trainer.is_logging_rank:
         print(f"megafp8: trained {progress.iteration} iterations ({progress.consumed_samples} samples, "
               f"{progress.skipped_iterations} skipped)", flush=True)

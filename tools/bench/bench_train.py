@@ -50,12 +50,23 @@ sys.exit(status)
 """
 
 
-def configurations(high_precision: list[str]) -> list[tuple[str, list[str]]]:
-    """(name, flags) of every run: high precision, each recipe (hybrid format), the compressed ZeRO preset."""
-    runs = [("high precision" + (" (bf16)" if high_precision else " (fp32)"), high_precision)]
+# Host-overhead modes (docs/training.md "Compile and CUDA graphs"): run by exact name through --only, e.g.
+# "fp8 delayed + compile"; a plain run (no --only) runs the eager configurations.
+MODES = {" + compile": ["--compile"], " + cuda graph": ["--enable-cuda-graph"]}
+
+
+def configurations(high_precision: list[str], modes: bool = False) -> list[tuple[str, list[str]]]:
+    """(name, flags) of every run: high precision, each recipe (hybrid format), the compressed ZeRO preset; with
+    `modes`, also high precision and FP8 delayed compiled and CUDA-graphed (is FP8 faster than BF16 once the host
+    is out of the way?)."""
+    high = "high precision" + (" (bf16)" if high_precision else " (fp32)")
+    runs = [(high, high_precision)]
     runs += [(f"fp8 {recipe}", [*high_precision, "--fp8-format", "hybrid", "--fp8-recipe", recipe]) for recipe in RECIPES]
     runs.append(("fp8 delayed + ZeRO fp8 preset", [*high_precision, "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
                                                    *ZERO_PRESET]))
+    if modes:
+        base = [(high, high_precision), ("fp8 delayed", runs[1][1])]
+        runs += [(name + suffix, [*flags, *extra]) for suffix, extra in MODES.items() for name, flags in base]
     return runs
 
 
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these configurations, by exact name (see --list)")
     parser.add_argument("--list", action="store_true", help="print the configuration names and exit")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
+    parser.add_argument("--compile-timeout", type=float, default=None,
+                        help="seconds allowed per compiled or CUDA-graphed run (default: twice --timeout)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--profile-dir", default=None,
                         help="each run trains one more, untimed iteration under --profile and its Chrome trace is "
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    names = [name for name, _ in configurations(["--bf16"] if cuda else [])]
+    names = [name for name, _ in configurations(["--bf16"] if cuda else [], modes=True)]
     if args.list:
         print("\n".join(names))
         return 0
@@ -192,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         write_synthetic_tokens(prefix, vocab, num_tokens=64 * (seq + 1) * (4 + iters * batch // 64))
         data = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
         rows, failed = [], 0
-        for i, (name, extra) in enumerate(configurations(["--bf16"] if cuda else [])):
+        for i, (name, extra) in enumerate(configurations(["--bf16"] if cuda else [], modes=bool(args.only))):
             if args.only and name not in args.only:
                 continue
+            compiled = any(name.endswith(suffix) for suffix in MODES)
+            timeout = (args.compile_timeout or 2 * args.timeout) if compiled else args.timeout
             flags = [*base, *data, *extra]
             try:  # one failed or timed-out run is a row of its own; the others still run
                 log_dir = Path(scratch) / f"logs{i}"
-                records, memory = run_one([*flags, *profile], log_dir, args.timeout)
+                records, memory = run_one([*flags, *profile], log_dir, timeout)
                 rows.append(summarize(name, flags, records[:iters], memory, warmup, vocab + 1, peak))
                 if args.profile_dir:
                     keep_trace(log_dir / "profile" / f"rank0.iter{iters + 1}-{iters + 1}.json", args.profile_dir, name)

@@ -18,13 +18,14 @@ Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budg
                       xdist -n 12 if present; skipped with a reason if the image has no pytest: installs nothing);
   gemm        (45 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
   wgrad       (25 s)  bench_gemm.py --wgrad: wgrad into fp32 main_grad, Triton accumulate vs _scaled_mm + add_;
-  gluon       (25 s)  bench_gemm.py --gemm-only with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a
+  gluon       (15 s)  bench_gemm.py --gemm-only with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a
                       wgmma group in flight, kernels/gemm_hopper.py): compare its rows with the gemm step's;
-  casts       (20 s)  bench_gemm.py --quantize-only with one K tile per cast program (launch 1,32,16,4; the
+  casts       (10 s)  bench_gemm.py --quantize-only with one K tile per cast program (launch 1,32,16,4; the
                       default takes 4): compare its GB/s with the gemm step's quantize rows;
-  train      (110 s)  tools/bench/bench_train.py: a ~1B Llama, 16k tokens per step, bf16 vs every FP8 recipe
-                      (exact --only names), 4 iterations each, 2 untimed, and a fifth under --profile: its
-                      Chrome trace in profiles/<run>.json.gz (where the step's time goes).
+  train      (130 s)  tools/bench/bench_train.py: a ~1B Llama, 16k tokens per step, bf16 vs FP8 delayed and blockwise
+                      eager, then bf16 and FP8 delayed under --compile and FP8 delayed under --enable-cuda-graph
+                      (exact --only names), 4 iterations each, 2 untimed (the compile lands in them), and a fifth
+                      under --profile: its Chrome trace in profiles/<run>.json.gz (where the step's time goes).
 Each step's row in steps.tsv also counts the kernels it compiled (new cubins in the Triton cache): after the
 precompile step, tests compile only their own small shapes, and train should compile nothing.
 --steps LIST      comma-separated subset of: precompile,tests,gemm,wgrad,gluon,casts,train (default: all, in order)
@@ -70,7 +71,7 @@ cd "$(dirname "$0")/../.."
 # Budgets (sum 360 s): the precompile shards' compile seconds measured on a 2-core CPU under Triton 3.6 (the slowest
 # of 8 balanced shards; docs/benchmarks.md "gpu_check budgets", checked by tests/test_gpu_check_budget.py), then the
 # timed steps, which compile nothing of their own but the tests' small shapes.
-step_budget() { case "$1" in precompile) echo 60 ;; tests) echo 75 ;; gemm) echo 45 ;; wgrad) echo 25 ;; gluon) echo 25 ;; casts) echo 20 ;; train) echo 110 ;; esac; }
+step_budget() { case "$1" in precompile) echo 60 ;; tests) echo 75 ;; gemm) echo 45 ;; wgrad) echo 25 ;; gluon) echo 15 ;; casts) echo 10 ;; train) echo 130 ;; esac; }
 PRECOMPILE_SHARD_COUNT=8
 # The test files and node ids of the tests step (tests/test_gpu_check_budget.py checks each one exists).
 TESTS_STEP_IDS="tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py tests/test_fp8_guard_device.py tests/test_ring_attention.py::test_blocks_merged_by_lse_equal_full_attention tests/test_optim_fused_step.py::test_kernels_equal_their_twins tests/test_optim_fused_coded.py::test_e4m3_rounding_equals_torchs_cast tests/test_optim_fused_coded.py::test_fp16_stochastic_rounding_equals_the_twin tests/test_optim_fused_coded.py::test_reproducible_log2_exp2 tests/test_optim_fused_coded.py::test_fp16_master_publication_equals_the_slab_decode"
@@ -87,7 +88,7 @@ step_command() {
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
     gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
     casts) echo 'python3 tools/bench/bench_gemm.py --quantize-only --quantize-launch 1,32,16,4 --json "$OUT_DIR/bench_casts_1tile.json"' ;;
-    train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 21 --only "high precision (bf16)" "fp8 delayed" "fp8 tensorwise" "fp8 rowwise" "fp8 blockwise" --json "$OUT_DIR/bench_train.json" --profile-dir "$OUT_DIR/profiles"' ;;
+    train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 14 --compile-timeout 28 --only "high precision (bf16)" "fp8 delayed" "fp8 blockwise" "high precision (bf16) + compile" "fp8 delayed + compile" "fp8 delayed + cuda graph" --json "$OUT_DIR/bench_train.json" --profile-dir "$OUT_DIR/profiles"' ;;
   esac
 }
 if [ "$dry_run" = 1 ]; then
