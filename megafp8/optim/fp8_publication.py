@@ -86,8 +86,10 @@ class Fp8Publication:
         bases = [sum(sizes[:j]) for j in range(len(sizes))]
         self.num_slots = sum(sizes)
         self.slot_sizes, self.slot_bases = sizes, bases
+        # output_size: known here, so no device read of the counts' sum (and meta tensors need it)
         self.param_of_slot = torch.repeat_interleave(torch.arange(len(sizes) + 1, device=device),
-                                                     torch.tensor(sizes + [1], device=device))
+                                                     torch.tensor(sizes + [1], device=device),
+                                                     output_size=self.num_slots + 1)
         self.dtypes = sorted({info.recipe.dtype("weight") for info in ddp.fp8_params.values()}, key=str)
         # Per fragment (then a padding row): slot base, cols, row divisor, groups per band, col divisor, numel, dtype.
         rows = [[self.num_slots, 1, 1, 1, 1, 0, 0] for _ in range(len(opt.fragments) + 1)]

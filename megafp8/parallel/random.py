@@ -178,10 +178,13 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
     ``aliases`` maps a parameter name to the name whose values it must share (the last pipeline stage's
     copy of a tied embedding is drawn as ``embedding.weight``). Parameters without ``init_method``
     (norm weights = 1, biases = 0) are deterministic already. Meta parameters are skipped, except under
-    ``build_on_device``: there each gets its storage on the build device first. Returns the names initialized.
+    ``build_on_device``: there each gets its storage on the build device first (none on "meta", where the
+    build is shapes only: tools/bench/bench_host_overhead.py). Returns the names initialized.
     """
     aliases = aliases or {}
     build_device = _BUILD_DEVICE.get()
+    if build_device is not None and build_device.type == "meta":  # a shapes-only build: nothing has values
+        return []
     done = []
     for name, param in module.named_parameters():
         init_method = getattr(param, "init_method", None)
