@@ -141,8 +141,8 @@ TRITON_LAUNCHES: collections.Counter[str] = collections.Counter()
 
 def use_cpp_meta_kernels() -> int:
     """Drop torch's Python meta kernels where ATen has a C++ one (a Python registration shadows it: torch's
-    activate_meta); the ops with only a Python one keep it (where, flash attention, the embedding). Returns how many ops now dispatch to C++. For this
-    process only: there is no undo."""
+    activate_meta); the ops with only a Python one keep it (where, flash attention, the embedding). Returns how
+    many ops now dispatch to C++. For this process only: there is no undo."""
     import torch._meta_registrations as meta_registrations
     from torch._decomp import global_decomposition_table
 
@@ -304,7 +304,8 @@ class MetaStep:
         counts = {}
         for name, phase in self.phases():
             TRITON_LAUNCHES.clear()
-            # dynamo refuses to trace under a dispatch mode: compiled layers are counted eager (the same ATen ops)
+            # dynamo refuses to trace under a dispatch mode: a compiled layer is counted running its code eagerly,
+            # the ops its graph holds (its FP8 telemetry slot writes included) before AOTAutograd's functionalization
             with torch.compiler.set_stance("force_eager"), LaunchCount() as launches:
                 phase()
             counts[name] = {"aten": launches.aten, "triton": launches.custom + sum(TRITON_LAUNCHES.values()),
@@ -381,8 +382,8 @@ def estimate(row: dict, peaks: tuple[float, float], mfu: float, launch_us: float
 def markdown(rows: list[dict]) -> str:
     name = lambda r: f"{'bf16' if r['recipe'] == 'bf16' else 'fp8 ' + r['recipe']} {r['mode']}"  # noqa: E731
     lines = ["Per transformer layer (forward + backward of one micro-batch):", "",
-             "| config | host ms (meta) | launches aten + triton | host ms on GPU host | GPU ms | host/GPU | GPU idle | "
-             "host-bound above MFU |", "|---|---|---|---|---|---|---|---|"]
+             "| config | host ms (meta) | launches aten + triton | host ms on GPU host | GPU ms | host/GPU | "
+             "GPU idle | host-bound above MFU |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x = r["layer"]
         lines.append(f"| {name(r)} | {x['host_ms']:.3f} | {x['aten']:.0f} + {x['triton']:.0f} | "
@@ -399,6 +400,14 @@ def markdown(rows: list[dict]) -> str:
                      f"{x['host_on_gpu_ms']:.1f} | {x['gpu_ms']:.1f} | {x['host_over_gpu']:.2f} | "
                      f"{100 * x['gpu_idle_fraction']:.0f}% | {x['breakeven_mfu']:.2f} |")
     return "\n".join(lines)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -441,14 +450,15 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(rows))
     print(f"\n{opts.gpu} peaks {peaks[0]:g} (BF16) / {peaks[1]:g} (FP8) TFLOP/s at MFU {opts.mfu:g}; launches at "
           f"{opts.launch_us:g} us (ATen) / {opts.triton_launch_us:g} us (Triton); {swapped} ops on C++ meta kernels; "
-          f"host {platform.processor() or platform.machine()}, torch {torch.__version__}; peak RSS {peak_rss_mib:.0f} MiB")
+          f"host {_cpu_name()}, torch {torch.__version__}; peak RSS {peak_rss_mib:.0f} MiB")
     if opts.json:
         assumptions = {"gpu": opts.gpu, "peak_tflops": {"bf16": peaks[0], "fp8": peaks[1]}, "mfu": opts.mfu,
                        "launch_us": opts.launch_us, "triton_launch_us": opts.triton_launch_us,
                        "cpp_meta_kernels": swapped, "vocab_size": VOCAB}
         with open(opts.json, "w") as f:
             json.dump({"command": [sys.executable, *sys.argv], "assumptions": assumptions, "torch": torch.__version__,
-                       "machine": platform.platform(), "peak_rss_mib": peak_rss_mib, "rows": rows}, f, indent=1)
+                       "machine": platform.platform(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
+                       "peak_rss_mib": peak_rss_mib, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
