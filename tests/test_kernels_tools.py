@@ -43,8 +43,9 @@ def test_gpu_check_arguments_and_dry_run_without_gpu():
     budgets = [int(line.split("(")[1].split(" s)")[0]) for line in lines]
     assert sum(budgets) <= 360  # the six-minute budget
     train = lines[-1]
-    for name in ("high precision (bf16)", "fp8 delayed", "fp8 tensorwise", "fp8 rowwise", "fp8 blockwise"):
-        assert f'"{name}"' in train  # bf16 against every FP8 recipe, by exact name
+    for name in ("high precision (bf16)", "fp8 delayed", "fp8 blockwise", "high precision (bf16) + compile",
+                 "fp8 delayed + compile", "fp8 delayed + cuda graph"):
+        assert f'"{name}"' in train  # bf16 against FP8, eager, compiled and CUDA-graphed, by exact name
     one = _run("bash", str(GPU_CHECK), "--dry-run", "--steps", "train,gemm")
     assert [line.split(" ")[0] for line in one.stdout.splitlines()] == ["train", "gemm"]
     bad = _run("bash", str(GPU_CHECK), "--steps", "train,bogus")
