@@ -68,10 +68,10 @@ class _EagerPrologueThenCompiled:
         module = self.module
         if any(state.is_cold for state in self._scaling_states()):
             return module._call_impl(*args, **kwargs)
-        self._add_telemetry_slots()
         for m in module.modules():  # walked per call: a hook may be armed between two calls
             for hook in list(m._forward_pre_hooks.values()):
                 hook(m, args)
+        self._add_telemetry_slots()  # after the hooks: a param-gather hook decides whether the weight is injected
         for m in self.fp8_modules:
             m.prepare_fp8_weight()
         return self.compiled(*args, **kwargs)
