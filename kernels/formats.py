@@ -41,6 +41,9 @@ class ElementFormat:
 E4M3 = ElementFormat(torch.float8_e4m3fn, 448.0, 3, -6, bits=8, name="e4m3")
 E5M2 = ElementFormat(torch.float8_e5m2, 57344.0, 2, -14, bits=8, name="e5m2")
 ELEMENT_FORMATS = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
+# OCP E2M1 (FP4): +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, no inf/NaN, stored two codes per uint8 (the even element in the low
+# nibble). Not in ELEMENT_FORMATS: its storage dtype (uint8) does not name it.
+E2M1 = ElementFormat(torch.uint8, 6.0, 1, 0, bits=4, name="e2m1")
 
 
 def element_format(dtype: torch.dtype) -> ElementFormat:
@@ -51,7 +54,8 @@ def element_format(dtype: torch.dtype) -> ElementFormat:
 
 
 class ScaleFormat(str, enum.Enum):
-    """How a scale is stored. Only fp32 exists today; microscaling stores E8M0 (MXFP8/MXFP4) or E4M3 (NVFP4)."""
+    """How a scale is stored: fp32 (the FP8 recipes), E8M0 biased exponents in uint8 (MXFP8/MXFP4) or E4M3 (NVFP4,
+    under a per-tensor fp32 scale)."""
 
     FP32 = "fp32"
     E8M0 = "e8m0"
@@ -64,7 +68,7 @@ class ScaleLayout:
 
     block:          (rows, cols) of elements per scale; WHOLE spans the dimension.
     scale_format:   the scales' storage format.
-    two_level:      a per-tensor fp32 scale on top of the block scales (NVFP4); none today.
+    two_level:      a per-tensor fp32 scale on top of the block scales (NVFP4).
     k_block_major:  scales of logical shape (rows, K groups) lie (K groups, rows) in memory, so a GEMM's K step
                     loads one contiguous vector for its rows (DeepGEMM's and torch._scaled_mm's blockwise layout).
     """
@@ -99,7 +103,14 @@ PER_TENSOR = ScaleLayout("tensorwise", (WHOLE, WHOLE))
 PER_ROW = ScaleLayout("rowwise", (1, WHOLE))
 BLOCK_1X128 = ScaleLayout("block_1x128", (1, BLOCK), k_block_major=True)
 BLOCK_128X128 = ScaleLayout("block_128x128", (BLOCK, BLOCK))
-SCALE_LAYOUTS = {layout.name: layout for layout in (PER_TENSOR, PER_ROW, BLOCK_1X128, BLOCK_128X128)}
+# Microscaling (OCP MX v1.0 and NVIDIA's NVFP4): one E8M0 scale per 1x32 along K; one E4M3 scale per 1x16 (activations,
+# gradients) or 16x16 (weights: fprop and dgrad then read the same quantized values) under one fp32 scale per tensor.
+MX_BLOCK, NVFP4_BLOCK = 32, 16
+MX_1X32 = ScaleLayout("mx_1x32", (1, MX_BLOCK), ScaleFormat.E8M0)
+NVFP4_1X16 = ScaleLayout("nvfp4_1x16", (1, NVFP4_BLOCK), ScaleFormat.E4M3, two_level=True)
+NVFP4_16X16 = ScaleLayout("nvfp4_16x16", (NVFP4_BLOCK, NVFP4_BLOCK), ScaleFormat.E4M3, two_level=True)
+SCALE_LAYOUTS = {layout.name: layout for layout in (PER_TENSOR, PER_ROW, BLOCK_1X128, BLOCK_128X128, MX_1X32,
+                                                     NVFP4_1X16, NVFP4_16X16)}
 
 
 def scale_layout(value: str | ScaleLayout) -> ScaleLayout:

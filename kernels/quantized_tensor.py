@@ -1,13 +1,14 @@
 """QuantizedTensor: a low-precision 2-D operand declared by its element format and scale layout, with its true byte
-size and its parts as bytes for the wire (FP8 today; the record has the slots microscaling and FP4 need)."""
+size and its parts as bytes for the wire (FP8, MXFP8, MXFP4, NVFP4)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
 
-from .formats import ElementFormat, ScaleLayout, element_format, scale_layout
+from .formats import ElementFormat, ScaleFormat, ScaleLayout, element_format, scale_layout
 from .gemm_reference import dequantize
+from .microscaling_reference import dequantize_microscaled, e8m0_values
 from .scaling import Fp8Quantized, Granularity, layout_granularity
 
 
@@ -21,7 +22,9 @@ class QuantizedTensor:
     data / scale_inv:     row-major payload and dequantization scales (groups along cols)
     data_t / scale_inv_t: the transposed (cols, rows) copy, groups along rows; present when a GEMM needs the
                           tensor K-major the other way round (dgrad, wgrad). Either copy may be absent.
-    global_scale_inv:     a per-tensor scale on top of the block scales (two-level layouts, e.g. NVFP4); None today.
+    global_scale_inv(_t): the per-tensor decode scale on top of the block scales of each copy (two-level layouts:
+                          NVFP4, whose Hadamard-transformed transposed copy has its own).
+    Microscaled layouts (scale_format E8M0 / E4M3) store their scales as bytes: uint8 biased exponents, float8_e4m3fn.
     """
 
     shape: tuple[int, int]
@@ -32,6 +35,7 @@ class QuantizedTensor:
     data_t: torch.Tensor | None = None
     scale_inv_t: torch.Tensor | None = None
     global_scale_inv: torch.Tensor | None = None
+    global_scale_inv_t: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
@@ -68,7 +72,13 @@ class QuantizedTensor:
         """The transposed operand: its row-major copy is this one's transposed copy (no bytes move)."""
         rows, cols = self.shape
         return replace(self, shape=(cols, rows), data=self.data_t, scale_inv=self.scale_inv_t, data_t=self.data,
-                       scale_inv_t=self.scale_inv)
+                       scale_inv_t=self.scale_inv, global_scale_inv=self.global_scale_inv_t,
+                       global_scale_inv_t=self.global_scale_inv)
+
+    @property
+    def is_microscaled(self) -> bool:
+        """Scales stored as E8M0 or E4M3 bytes (MX, NVFP4), not fp32."""
+        return self.layout.scale_format != ScaleFormat.FP32
 
     def with_transpose(self, power_of_2_scale: bool = False) -> QuantizedTensor:
         """This tensor with its transposed copy derived from the row-major one (if it lacks it).
@@ -78,6 +88,9 @@ class QuantizedTensor:
         `data_t` quantized from high precision to avoid it)."""
         if self.data_t is not None:
             return self
+        if self.is_microscaled:
+            raise NotImplementedError(f"a {self.layout.name} tensor's transposed copy is quantized from high precision "
+                                      "(quantize_microscaled(..., transpose=True)), not derived from its row-major copy")
         data, scale_inv = self.row_major()
         if self.layout.transpose_is_relayout:
             return replace(self, data_t=data.t().contiguous(), scale_inv_t=scale_inv.t().contiguous())
@@ -87,6 +100,12 @@ class QuantizedTensor:
         return replace(self, data_t=q.data, scale_inv_t=q.scale_inv)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.is_microscaled:
+            if self.data is not None:
+                return dequantize_microscaled(self.data, self.scale_inv, self.format, self.layout,
+                                              self.global_scale_inv).to(dtype)
+            return dequantize_microscaled(self.data_t, self.scale_inv_t, self.format, self.layout,
+                                          self.global_scale_inv_t).t().to(dtype)
         if self.data is not None:
             return dequantize(self.data, self.scale_inv, self.layout).to(dtype)
         return dequantize(self.data_t, self.scale_inv_t, self.layout).t().to(dtype)
@@ -104,9 +123,20 @@ class QuantizedTensor:
         for payload, scales in ((self.data, self.scale_inv), (self.data_t, self.scale_inv_t)):
             if payload is not None:
                 total += payload.numel() * payload.element_size() + scales.numel() * scales.element_size()
-        if self.global_scale_inv is not None:
-            total += self.global_scale_inv.numel() * self.global_scale_inv.element_size()
+        for global_scale in (self.global_scale_inv, self.global_scale_inv_t):
+            if global_scale is not None:
+                total += global_scale.numel() * global_scale.element_size()
         return total
+
+    def block_scales_fp32(self) -> torch.Tensor:
+        """The row-major copy's block scales as fp32 dequantization factors (telemetry reads these): E8M0 bytes
+        decoded, E4M3 scales times the per-tensor decode scale; fp32 scales as they are."""
+        _, scale_inv = self.row_major()
+        if scale_inv.dtype == torch.uint8:
+            return e8m0_values(scale_inv)
+        if self.global_scale_inv is not None:
+            return scale_inv.float() * self.global_scale_inv.float()
+        return scale_inv.float()
 
     @property
     def logical_numel(self) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from megafp8.fp8.recipe import SCALINGS  # noqa: E402
+from megafp8.fp8.recipe import FP8_SCALINGS  # noqa: E402
 from megafp8.training.megatron_flags import LLAMA_FLAGS  # noqa: E402
 
 GOLDEN = REPO_ROOT / "tests" / "golden" / "fp8_3d_fingerprint.json"
@@ -138,8 +138,8 @@ def first_difference(golden: dict, fresh: dict, prefix: str = "") -> str | None:
 
 
 def all_recipes() -> tuple[str, ...]:
-    """Every --fp8-recipe choice, plus "default" (no --fp8-recipe: the entry's default, delayed)."""
-    return (*SCALINGS, "default")
+    """Every FP8 --fp8-recipe choice (fp32 scales), plus "default" (no --fp8-recipe: the entry's default, delayed)."""
+    return (*FP8_SCALINGS, "default")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from .autocast import resolve_recipe
 from .linear_function import SequenceParallelComm, delayed_scale, fp8_linear, quantize_operand
 from .prologue import InputPrologue
 from .recipe import ROLES, Fp8Recipe
+from .rounding_keys import RoundingKeys
 from .scaling_state import ScalingState
 from .tensor import Float8Tensor
 
@@ -50,6 +51,7 @@ class Fp8GemmModule(nn.Module):
         self._weight_cache: tuple[tuple, Float8Tensor, bool] | None = None  # (key, weight, observed)
         self._injected_weight: Float8Tensor | None = None
         self._injected_scale_version: tuple | None = None  # the weight scale's version at injection
+        self.rounding_keys = RoundingKeys()  # stochastic rounding's keys; the trainer renews them per iteration
 
     @property
     def runs_high_precision(self) -> bool:
@@ -75,6 +77,10 @@ class Fp8GemmModule(nn.Module):
         if role not in self.fp8_scaling or self.fp8_scaling[role].recipe != recipe:
             self._make_scaling_states(recipe)  # recipe came from fp8_autocast: allocate on first use
         return self.fp8_scaling[role]
+
+    def next_rounding_key(self, role: str) -> int:
+        """The key of this layer's next stochastically rounded cast of `role` (rounding_keys.py)."""
+        return self.rounding_keys.next(role)
 
     def sharded_amax_sync(self) -> Callable[[torch.Tensor], None] | None:
         """An in-place MAX of an amax over the ranks that hold the other shards of this layer's tensors (a TP

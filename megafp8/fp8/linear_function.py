@@ -146,7 +146,8 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
     if role == "input" and layer.forced_overflow_factor is not None:  # a test hook (forced_overflow.py)
         scale = overflowing_scale(x2d, scale, quantizer.format.dtype, quantizer.granularity,
                                   quantizer.power_of_2_scale, layer.forced_overflow_factor)
-    q = quantizer.quantize(x2d, scale=scale, transpose=transpose, stats=layer.telemetry_enabled)
+    key = layer.next_rounding_key(role) if quantizer.stochastic else None
+    q = quantizer.quantize(x2d, scale=scale, transpose=transpose, stats=layer.telemetry_enabled, key=key)
     return _observed(q, role, state, layer, observe)
 
 
@@ -196,6 +197,23 @@ def _gather_quantized(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp
     return comm.gather_rows_async(local), local
 
 
+def _transposed_parts(q: Float8Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What forward saves of x^T: payload, scales and (two-level formats) the per-tensor decode scale."""
+    return (*q.col_major(), q.global_scale_inv_t)
+
+
+def _sequence_shard_transposed(quantizer: Quantizer, x2d: torch.Tensor, local: Float8Tensor,
+                               comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    parts = quantizer.transposed_sequence_shard(x2d, local, comm)
+    return parts if len(parts) == 3 else (*parts, None)
+
+
+def _logical_shape(payload: torch.Tensor, fmt) -> tuple[int, int]:
+    """(rows, cols) of the tensor a payload holds: a packed 4-bit payload holds two elements per byte."""
+    rows, cols = payload.shape
+    return rows, cols * 8 // fmt.bits
+
+
 def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     """A parameter's fp32 gradient: added into `param.main_grad` (any float dtype; None is returned, so
     `.grad` stays None), or returned in the parameter's dtype for autograd to accumulate."""
@@ -227,7 +245,7 @@ def _deferred_wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
         x_t_full = x_t
         if args.sp_input is not None:  # this rank's x^T columns: gathered over TP now, in W
             data_t = args.sp_input.gather_cols_async(x_t.data).wait()
-            x_t_full = dataclasses.replace(x_t, shape=tuple(data_t.shape), data=data_t)
+            x_t_full = dataclasses.replace(x_t, shape=_logical_shape(data_t, x_t.format), data=data_t)
         return _wgrad(dy_t, x_t_full, weight, args.wgrad_column_scale)
     return run
 
@@ -248,23 +266,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel
             local, extras = fused
             pending = args.sp_input.gather_rows_async(local)
-            x_t = x_quantizer.transposed_fused_shard(local, args.sp_input) if needs_wgrad else None
+            x_t = (*x_quantizer.transposed_fused_shard(local, args.sp_input), None) if needs_wgrad else None
             x_fp8 = pending.wait()
         elif fused is not None:
             x_fp8, extras = fused
-            x_t = x_fp8.col_major() if needs_wgrad else None
+            x_t = _transposed_parts(x_fp8) if needs_wgrad else None
         elif args.sp_input is not None:
             x2d = x.reshape(-1, x.shape[-1])
             pending, local = _gather_quantized(x2d, recipe, "input", layer, args.sp_input, args.observe)
             # Only this rank's shard of x^T is kept (Megatron/TE keep the local shard too); built while
             # the gather is in flight.
-            x_t = x_quantizer.transposed_sequence_shard(x2d, local, args.sp_input) if needs_wgrad else None
+            x_t = _sequence_shard_transposed(x_quantizer, x2d, local, args.sp_input) if needs_wgrad else None
             x_fp8 = pending.wait()
         else:
             x2d = x.reshape(-1, x.shape[-1])
             x_fp8 = quantize_operand(x2d, recipe, "input", layer.scaling_state("input", recipe), needs_wgrad, layer,
                                      observe=args.observe)
-            x_t = x_fp8.col_major() if needs_wgrad else None
+            x_t = _transposed_parts(x_fp8) if needs_wgrad else None
 
         # ---- fprop GEMM; a row-parallel output is reduce-scattered to this rank's sequence shard ----
         y = scaled_gemm(x_fp8, weight_fp8, out_dtype=x_dtype, bias=bias, fast_accum=recipe.fast_accum("fprop"))
@@ -278,13 +296,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.args, ctx.weight_fp8, ctx.weight_param = args, weight_fp8, weight  # the module owns the FP8 weight
         ctx.x_dtype, ctx.x_shape, ctx.x_kind = x_dtype, x_shape, (x_fp8.format, x_fp8.layout)
         # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
-        ctx.save_for_backward(*(x_t or (None, None)), weight, bias,
+        ctx.save_for_backward(*(x_t or (None, None, None)), weight, bias,
                               *((raw, *prologue_params, *extras) if prologue else ()))
         return y.view(-1, *x_shape[1:-1], y.shape[-1])  # dim 0 changes by the TP size under sequence parallel
 
     @staticmethod
     def backward(ctx, grad_output):
-        x_t, x_scale_t, weight, bias, *prologue_saved = ctx.saved_tensors
+        x_t, x_scale_t, x_global_t, weight, bias, *prologue_saved = ctx.saved_tensors
         args = ctx.args
         recipe, layer = args.recipe, args.layer
         prologue_needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]) if args.prologue is not None else ()
@@ -299,9 +317,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # ---- quantize dY (with dY^T for wgrad); under SP gather the output-gradient shard ----
         dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         if args.sp_output is not None:
-            pending, _ = _gather_quantized(dy2d, recipe, "grad_output", layer, args.sp_output, args.observe)
-            dy_fp8 = pending.wait()
-            dy_fp8 = recipe.quantizer("grad_output").with_transposed_copy(dy_fp8) if needs_wgrad else dy_fp8
+            pending, local = _gather_quantized(dy2d, recipe, "grad_output", layer, args.sp_output, args.observe)
+            dy_quantizer = recipe.quantizer("grad_output")
+            if needs_wgrad and dy_quantizer.transposes_shard_locally:
+                # Microscaling: this rank's columns of dY^T from its own high-precision rows (their token groups are
+                # its own), gathered as low-precision bytes like x^T, instead of re-quantizing the gathered values.
+                key = layer.next_rounding_key("grad_output_t") if dy_quantizer.stochastic else None
+                data_t, scale_t, global_t = dy_quantizer.transposed_sequence_shard(dy2d, local, args.sp_output, key)
+                data_t = args.sp_output.gather_cols_async(data_t).wait()
+                dy_fp8 = dataclasses.replace(pending.wait(), data_t=data_t, scale_inv_t=scale_t,
+                                             global_scale_inv_t=global_t)
+            else:
+                dy_fp8 = pending.wait()
+                dy_fp8 = dy_quantizer.with_transposed_copy(dy_fp8) if needs_wgrad else dy_fp8
         else:
             dy_fp8 = quantize_operand(dy2d, recipe, "grad_output", layer.scaling_state("grad_output", recipe),
                                       needs_wgrad, layer, observe=args.observe)
@@ -321,14 +349,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_weight = None
         if needs_wgrad:
             x_format, x_layout = ctx.x_kind
-            x_t_operand = Float8Tensor(tuple(x_t.shape), x_format, x_layout, x_t, x_scale_t)
+            x_t_operand = Float8Tensor(_logical_shape(x_t, x_format), x_format, x_layout, x_t, x_scale_t,
+                                       global_scale_inv=x_global_t)
         if defer:
             deferral.push(ctx.weight_param, _deferred_wgrad(dy_fp8.t(), x_t_operand, ctx.weight_param, args),
                           (*dy_fp8.col_major(), x_t, x_scale_t))
         elif needs_wgrad:
             if x_t_pending is not None:
                 data_t = x_t_pending.wait()
-                x_t_operand = dataclasses.replace(x_t_operand, shape=tuple(data_t.shape), data=data_t)
+                x_t_operand = dataclasses.replace(x_t_operand, shape=_logical_shape(data_t, x_format), data=data_t)
             grad_weight = _wgrad(dy_fp8.t(), x_t_operand, weight, args.wgrad_column_scale)
 
         grad_bias = None

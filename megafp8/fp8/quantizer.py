@@ -59,17 +59,29 @@ class Quantizer:
     def scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
         return scale_from_amax(amax, self.format.max, self.power_of_2_scale)
 
-    def cast(self, x2d: torch.Tensor, *, scale: torch.Tensor | None, transpose: bool, stats: bool) -> Quantized:
-        """The cast itself (the kernels' quantize: Triton on CUDA, the reference twin on CPU)."""
+    stochastic = False  # rounds stochastically (a subclass may): its quantize wants a `key`
+
+    @property
+    def transposes_shard_locally(self) -> bool:
+        """Whether a sequence shard's transposed copy is quantized from this rank's high-precision rows, its groups
+        lying in the shard (microscaling's 1x16/1x32 token groups), instead of re-quantized after the gather."""
+        return False
+
+    def cast(self, x2d: torch.Tensor, *, scale: torch.Tensor | None, transpose: bool, stats: bool,
+             key: int | None = None) -> Quantized:
+        """The cast itself (the kernels' quantize: Triton on CUDA, the reference twin on CPU); `key` is for
+        quantizers that round stochastically."""
         q = quantize(x2d, self.format.dtype, self.granularity, power_of_2_scale=self.power_of_2_scale, scale=scale,
                      transpose=transpose, stats=stats)
         return Quantized(QuantizedTensor.from_quantized(q, self.layout), q.amax, q.counts)
 
     def quantize(self, x2d: torch.Tensor, *, scale: torch.Tensor | None = None, transpose: bool = False,
-                 stats: bool = False) -> Quantized:
+                 stats: bool = False, key: int | None = None) -> Quantized:
         """x2d (rows, K) quantized with current scaling (or the given per-tensor `scale`); `transpose` adds the
-        copy of x2d.T with its own groups."""
-        return self.cast(x2d, scale=scale, transpose=transpose, stats=stats)
+        copy of x2d.T with its own groups; `key` seeds stochastic rounding (where the quantizer does it)."""
+        # Only a stochastic quantizer is handed a key: a plugin's cast written before keys existed keeps working.
+        extra = {"key": key} if key is not None else {}
+        return self.cast(x2d, scale=scale, transpose=transpose, stats=stats, **extra)
 
     def quantize_with_prologue(self, prologue: InputPrologue, x2d: torch.Tensor, params: tuple[torch.Tensor, ...], *,
                                scale: torch.Tensor | None, transpose: bool,

@@ -11,8 +11,10 @@ from typing import Callable, Iterator, Literal
 import torch
 
 from megafp8_kernels import Granularity, ScaleLayout, element_format
-from megafp8_kernels.formats import BLOCK_1X128, BLOCK_128X128, PER_ROW, PER_TENSOR
+from megafp8_kernels.formats import (BLOCK_1X128, BLOCK_128X128, E2M1, MX_1X32, NVFP4_1X16, NVFP4_16X16, PER_ROW,
+                                     PER_TENSOR)
 
+from .microscaling_quantizer import MicroscalingQuantizer
 from .quantizer import Quantizer
 
 FORMATS = ("e4m3", "hybrid")
@@ -33,6 +35,9 @@ class ScalingRule:
                      every K block by construction)
     default_format:  the --fp8-format it implies when the user names none for it (blockwise: e4m3)
     quantizer:       the Quantizer class (a new format brings its own cast)
+    build:           builds the quantizer of (recipe, role, gemm) itself, where it depends on more than the layout
+                     (microscaling: the element format, Hadamard, stochastic rounding, the recipe's ablation switches)
+    element_bits:    bits per element of the recipe's GEMM operands (4: an FP4 recipe, --fp4-recipe)
     """
 
     layout: Callable[[str, str], ScaleLayout]
@@ -40,6 +45,23 @@ class ScalingRule:
     fast_accum: bool = True
     default_format: str | None = None
     quantizer: type[Quantizer] = Quantizer
+    build: Callable[[Fp8Recipe, str, str], Quantizer] | None = None
+    element_bits: int = 8
+
+
+def _mx_quantizer(recipe: Fp8Recipe, role: str, gemm: str) -> Quantizer:
+    # MXFP8 (TE's MXFP8BlockScaling, Megatron's --fp8-recipe mxfp8): E4M3 (E5M2 gradients under hybrid) per 1x32.
+    return MicroscalingQuantizer(element_format(recipe.dtype(role)), MX_1X32, scale_rounding=recipe.mx_scale_rounding)
+
+
+def _fp4_quantizer(recipe: Fp8Recipe, role: str, gemm: str) -> Quantizer:
+    # NVFP4 (TE's NVFP4BlockScaling) and MXFP4: E2M1; the weight in 16x16 tiles (NVFP4), the wgrad operands through
+    # the Hadamard transform, the gradient rounded stochastically; each switch off for the papers' ablations.
+    nvfp4 = recipe.scaling == "nvfp4"
+    layout = (NVFP4_16X16 if role == "weight" and recipe.fp4_weight_2d else NVFP4_1X16) if nvfp4 else MX_1X32
+    return MicroscalingQuantizer(E2M1, layout, hadamard_transposed=recipe.fp4_hadamard and role != "weight",
+                                 stochastic=recipe.fp4_stochastic_rounding and role == "grad_output",
+                                 scale_rounding=recipe.mx_scale_rounding)
 
 
 SCALING_RULES: dict[str, ScalingRule] = {
@@ -50,8 +72,18 @@ SCALING_RULES: dict[str, ScalingRule] = {
     # E4M3 for gradients too: 1x128 groups leave E5M2's extra range unneeded.
     "blockwise": ScalingRule(lambda role, gemm: BLOCK_128X128 if role == "weight" else BLOCK_1X128, fast_accum=False,
                              default_format="e4m3"),
+    # Microscaling (Blackwell's block-scaled tensor cores; emulated elsewhere: a numerics study on Hopper and CPU).
+    "mxfp8": ScalingRule(lambda role, gemm: MX_1X32, fast_accum=False, default_format="e4m3", build=_mx_quantizer),
+    "nvfp4": ScalingRule(lambda role, gemm: NVFP4_16X16 if role == "weight" else NVFP4_1X16, fast_accum=False,
+                         default_format="e4m3", build=_fp4_quantizer, element_bits=4),
+    "mxfp4": ScalingRule(lambda role, gemm: MX_1X32, fast_accum=False, default_format="e4m3", build=_fp4_quantizer,
+                         element_bits=4),
 }
-SCALINGS = tuple(SCALING_RULES)  # the built-in recipes (the bit fingerprint covers each)
+FP4_SCALINGS = tuple(name for name, rule in SCALING_RULES.items() if rule.element_bits == 4)  # --fp4-recipe
+SCALINGS = tuple(SCALING_RULES)  # the built-in recipes
+# The FP8 recipes with fp32 scales: the 3D bit fingerprint covers each (tools/fp8_bits_fingerprint.py); the microscaled
+# ones are pinned by their own tests (their ZeRO runs gather high-precision weights, the fingerprint's FP8 ones).
+FP8_SCALINGS = tuple(name for name, rule in SCALING_RULES.items() if rule.build is None)
 
 
 def register_scaling(name: str, rule: ScalingRule) -> None:
@@ -92,6 +124,9 @@ class Fp8Recipe:
                         tensorwise per-tensor current scaling (amax of this tensor now)
                         rowwise    one scale per row of each K-major operand
                         blockwise  DeepSeek-V3: 1x128 tiles for inputs and gradients, 128x128 for weights
+                        mxfp8      OCP MX: E4M3 (E5M2 gradients under hybrid) with one E8M0 scale per 1x32
+                        nvfp4      E2M1 with one E4M3 scale per 1x16 (16x16 for weights) under an fp32 tensor scale
+                        mxfp4      E2M1 with one E8M0 scale per 1x32 (the last two: --fp4-recipe)
     fp8_format:         e4m3 everywhere, or hybrid = E4M3 forward, E5M2 for gradients
     amax_history_len, amax_compute_algo, margin: delayed scaling only;
                         scale = FP8_MAX / amax / 2**margin with amax = max(history) or the most recent entry
@@ -100,6 +135,11 @@ class Fp8Recipe:
                         every K step (TransformerEngine's recipes do so in fprop; dgrad/wgrad always promote).
                         Only tensorwise/rowwise GEMMs offer it (delayed, tensorwise, rowwise); blockwise promotes
                         every 128 of K by construction. CUDA only: the CPU reference GEMM is exact either way.
+    mx_scale_rounding:  mxfp8 / mxfp4 block scales rounded "ceil" (RCEIL: amax never saturates; TE, cuBLAS) or
+                        "floor" (the OCP spec's rule, which saturates block maxima; for comparison)
+    fp4_stochastic_rounding, fp4_hadamard, fp4_weight_2d: the FP4 recipes' parts (nvfp4, mxfp4), on by default as
+                        NVIDIA's NVFP4 recipe: gradients rounded stochastically, the wgrad operands through the
+                        16-point random Hadamard transform, 16x16 weight tiles (nvfp4); each can be switched off
     """
 
     scaling: str = "delayed"  # a SCALING_RULES name: delayed, tensorwise, rowwise, blockwise or a registered one
@@ -109,6 +149,10 @@ class Fp8Recipe:
     margin: int = 0
     power_of_2_scale: bool = False
     fprop_fast_accum: bool = True
+    mx_scale_rounding: Literal["ceil", "floor"] = "ceil"
+    fp4_stochastic_rounding: bool = True
+    fp4_hadamard: bool = True
+    fp4_weight_2d: bool = True
 
     def __post_init__(self):
         if self.scaling not in SCALING_RULES:
@@ -121,6 +165,8 @@ class Fp8Recipe:
             raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.amax_history_len}")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
+        if self.mx_scale_rounding not in ("ceil", "floor"):
+            raise ValueError(f"--mx-scale-rounding {self.mx_scale_rounding!r} is not 'ceil' or 'floor'")
 
     # ---- named factories (torchao style) ----
     @classmethod
@@ -158,6 +204,10 @@ class Fp8Recipe:
             margin=getattr(args, "fp8_margin", 0),
             power_of_2_scale=getattr(args, "fp8_power_of_2_scale", False),
             fprop_fast_accum=getattr(args, "fp8_fprop_fast_accum", True),
+            mx_scale_rounding=getattr(args, "mx_scale_rounding", "ceil"),
+            fp4_stochastic_rounding=not getattr(args, "fp4_no_stochastic_rounding", False),
+            fp4_hadamard=not getattr(args, "fp4_no_hadamard", False),
+            fp4_weight_2d=not getattr(args, "fp4_no_2d_weights", False),
         )
 
     def replace(self, **overrides) -> Fp8Recipe:
@@ -169,6 +219,10 @@ class Fp8Recipe:
     def rule(self) -> ScalingRule:
         return SCALING_RULES[self.scaling]
 
+    def element_format(self, role: str):
+        """The ElementFormat of `role`'s GEMM operand (E2M1 under an FP4 recipe)."""
+        return self.quantizer(role).format
+
     def quantizer(self, role: str, gemm: str | None = None) -> Quantizer:
         """The quantizer of `role`'s operand in `gemm` (default: the GEMM its row-major copy feeds, ROLE_GEMMS)."""
         return _quantizer(self, role, gemm or ROLE_GEMMS[role][0])
@@ -176,6 +230,16 @@ class Fp8Recipe:
     def keeps_state(self, role: str) -> bool:
         """Whether `role`'s scale comes from per-layer state (an amax history) rather than the tensor at hand."""
         return self.rule.keeps_state
+
+    @property
+    def element_bits(self) -> int:
+        """Bits per GEMM operand element: 8 (FP8, MXFP8) or 4 (NVFP4, MXFP4)."""
+        return self.rule.element_bits
+
+    @property
+    def is_microscaled(self) -> bool:
+        """Block scales stored as E8M0 / E4M3 bytes (mxfp8, nvfp4, mxfp4)."""
+        return self.rule.build in (_mx_quantizer, _fp4_quantizer)
 
     @property
     def is_delayed(self) -> bool:
@@ -200,4 +264,6 @@ class Fp8Recipe:
 def _quantizer(recipe: Fp8Recipe, role: str, gemm: str) -> Quantizer:
     # Cached: the linear layer asks on every call, and recipes are frozen (a registered rule is never replaced).
     rule = recipe.rule
+    if rule.build is not None:
+        return rule.build(recipe, role, gemm)
     return rule.quantizer(element_format(recipe.dtype(role)), rule.layout(role, gemm), recipe.power_of_2_scale)

@@ -51,7 +51,8 @@ class Fp8TensorStats(NamedTuple):
 def record_fp8_stats(layer: nn.Module, role: str, fp8, counts: torch.Tensor, amax: torch.Tensor) -> None:
     """Keep this quantization's statistics on `layer` under `role` (input, weight, grad_output): the tensors
     the quantizer returned with stats=True, no op of its own."""
-    _, scale_inv = fp8.row_major()
+    # Microscaled scales are bytes (E8M0 exponents, E4M3 under a tensor scale): telemetry reads their fp32 values.
+    scale_inv = fp8.block_scales_fp32() if fp8.is_microscaled else fp8.row_major()[1]
     slot = getattr(layer, "fp8_telemetry_slots", {}).get(role)
     if slot is not None:
         # A compiled layer (megafp8.model.compile): a graph cannot hand its intermediates to the host, so it

@@ -13,13 +13,15 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
-from megafp8.fp8.recipe import FORMATS, scaling_names
+from megafp8.fp8.recipe import FORMATS, FP4_SCALINGS, scaling_names
 from megafp8.model.config import ACTIVATIONS, rope_scaling_flag
 from megafp8.model.recompute import GRANULARITIES, METHODS, recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from megafp8.training import megatron_flags
 from megafp8.training.compilation import add_compile_flags, compile_errors
+from megafp8.training.microscaling_flags import (add_microscaling_flags, fill_microscaling_defaults,
+                                                 microscaling_errors)
 from megafp8.training.profiling import profile_errors
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -141,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=FORMATS, default=None,
                    help="turns FP8 GEMMs on: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients, as in "
                         "TransformerEngine)")
-    g.add_argument("--fp8-recipe", choices=scaling_names(), default="delayed",  # the registry: built-ins + registered
+    # The registry's recipes (built-ins + registered) but the FP4 ones, which --fp4-recipe names (Megatron-LM's split).
+    g.add_argument("--fp8-recipe", choices=[n for n in scaling_names() if n not in FP4_SCALINGS], default="delayed",
                    help="how each FP8 tensor is scaled (docs/training.md 'The recipes', docs/fp8.md)")
     g.add_argument("--fp8-amax-history-len", type=int, default=1,
                    help="delayed scaling: amaxes remembered per tensor (the scale comes from their max)")
@@ -280,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     megatron_flags.add_logging_flags(g)
 
     add_compile_flags(p.add_argument_group("compile and CUDA graphs"))
+    add_microscaling_flags(p.add_argument_group("microscaling and FP4"))
     megatron_flags.add_implementation_flags(p.add_argument_group("Megatron-LM implementation choices (accepted)"))
     return p
 
@@ -303,9 +307,11 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int = 1,
 def parse_and_check(argv: Sequence[str] | None = None, world_size: int = 1) -> tuple[argparse.Namespace, list[str], list[str]]:
     """(args with the derived fields, every problem, the warnings of lenient fix-ups); raises only for what
     argparse itself rejects (an unknown flag, a malformed value: SystemExit 2 with argparse's message)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     warnings = _fill_defaults(args, world_size)
-    return args, argument_errors(args, world_size), warnings
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return args, argument_errors(args, world_size) + microscaling_errors(args, given), warnings
 
 
 def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
@@ -318,6 +324,7 @@ def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
         warnings.append("--sequence-parallel turned off: it needs --tensor-model-parallel-size > 1 "
                         "(Megatron-LM does the same)")
     megatron_flags.fill_megatron_defaults(args)
+    fill_microscaling_defaults(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     # CP ranks read the same samples: data parallelism is what TP x CP x PP leaves of the world.

@@ -23,7 +23,8 @@ MEGAFP8_ONLY = frozenset({
     "--fp8-power-of-2-scale", "--no-fp8-fprop-fast-accum", "--fp8-gemm-autotune", "--log-fp8-telemetry",
     "--no-fp8-saturation-guard", "--fp8-saturation-guard-threshold", "--fp8-saturation-guard-patience",
     "--fp8-self-check", "--master-weight-dtype", "--optimizer-state-dtype", "--keep-last", "--allow-changed-args",
-    "--log-dir", "--compile",
+    "--log-dir", "--compile", "--mx-scale-rounding", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard",
+    "--fp4-no-2d-weights",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).

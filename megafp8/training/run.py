@@ -29,6 +29,18 @@ from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 DECOUPLED_LR_PARAMS = ("embedding.weight", "output_layer.weight")
 
 
+def _recipe_words(recipe: Fp8Recipe) -> str:
+    """The banner's name of the run's recipe: FP8 e4m3 delayed, MXFP8 e4m3, NVFP4 (stochastic rounding, ...)."""
+    if recipe.element_bits == 4:
+        parts = [name for name, on in (("stochastic rounding", recipe.fp4_stochastic_rounding),
+                                       ("Hadamard wgrad", recipe.fp4_hadamard),
+                                       ("16x16 weights", recipe.fp4_weight_2d and recipe.scaling == "nvfp4")) if on]
+        return f"FP4 e2m1 {recipe.scaling}" + (f" ({', '.join(parts)})" if parts else "")
+    if recipe.is_microscaled:
+        return f"{recipe.scaling.upper()} {recipe.fp8_format} (E8M0 scale per 32, {recipe.mx_scale_rounding})"
+    return f"FP8 {recipe.fp8_format} {recipe.scaling}"
+
+
 def build_training_state(args: argparse.Namespace, parallel_state: ParallelState, config: ModelConfig,
                          device: torch.device | str | None = None):
     """(pipeline, ddp, optimizer) of this rank, on `device` (default: this rank's GPU, else the CPU; "meta" for
@@ -88,7 +100,7 @@ def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, tota
     if recipe is None:
         precision = "bf16" if args.bf16 and torch.cuda.is_available() else "fp32 (no --fp8-format)"
     else:
-        precision = (f"FP8 {recipe.fp8_format} {recipe.scaling}"
+        precision = (_recipe_words(recipe)
                      + (f" (amax history {recipe.amax_history_len}, {recipe.amax_compute_algo})" if recipe.is_delayed else "")
                      + (f", first/last {args.first_last_layers_bf16} layers high precision" if args.first_last_layers_bf16 else "")
                      + (f", saturation guard at {args.fp8_saturation_guard_threshold:g} x {args.fp8_saturation_guard_patience}"

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
 from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
+from megafp8.fp8.rounding_keys import begin_rounding_iteration
 from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
 from megafp8.parallel.context_parallel import split_for_context_parallel
@@ -161,6 +162,8 @@ class Trainer:
         self.args, self.ps, self.pipeline, self.ddp, self.optimizer = args, parallel_state, pipeline, ddp, optimizer
         self.guard, self.progress, self.checkpointer = guard, progress or TrainProgress(), checkpointer
         self.recipe = Fp8Recipe.from_args(args)
+        self.rounds_stochastically = (self.recipe is not None and self.recipe.element_bits == 4
+                                      and self.recipe.fp4_stochastic_rounding)
         self.schedule = learning_rate_schedule(args)
         self.decoupled_schedule = decoupled_learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
@@ -222,6 +225,8 @@ class Trainer:
         """Phase 1: a zeroed grad buffer, the next global batch, forward and backward of its micro-batches; this
         rank's loss (a device tensor). The FP8 amaxes it observed stay pending."""
         self.ddp.zero_grad_buffer()
+        if self.rounds_stochastically:  # keys of (seed, iteration, rank, layer): a resumed run draws the same bits
+            begin_rounding_iteration(self.pipeline.chunks, self.args.seed, self.progress.iteration + 1, self.ps.rank)
         inputs, labels = self._global_batch(self.train_batches)
         loss_mask = self.loss_mask(labels)
         if self.forced_overflow_layer is not None:

@@ -1,0 +1,70 @@
+"""The microscaling and FP4 flags (Megatron-LM's --fp4-format / --fp4-recipe / --fp4-param-gather, and megafp8's
+ablation switches), how they select the run's recipe, and their checks."""
+from __future__ import annotations
+
+import argparse
+
+from megafp8.fp8.recipe import FP4_SCALINGS, SCALING_RULES
+from megafp8_kernels.microscaling_reference import HADAMARD_SIZE
+
+FP4_FORMATS = ("e2m1",)
+
+
+def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--fp4-format", dest="fp4", choices=FP4_FORMATS, default=None,
+                   help="turns FP4 GEMMs on (E2M1 elements; with --fp4-recipe): every linear layer's three GEMMs in "
+                        "FP4 (docs/training.md 'Microscaling and FP4')")
+    g.add_argument("--fp4-recipe", choices=FP4_SCALINGS, default="nvfp4",
+                   help="nvfp4 (E4M3 scale per 16 under an fp32 tensor scale, 16x16 weight tiles, stochastic rounding "
+                        "of gradients, Hadamard transform on the wgrad operands) or mxfp4 (E8M0 scale per 32)")
+    g.add_argument("--fp4-param-gather", action="store_true",
+                   help="the distributed optimizer would gather FP4 weights (not implemented yet: refused)")
+    g.add_argument("--mx-scale-rounding", choices=("ceil", "floor"), default="ceil",
+                   help="mxfp8/mxfp4 block scales: ceil (RCEIL, as TransformerEngine and cuBLAS: a block's maximum "
+                        "never saturates) or floor (the OCP spec's rule, for comparison)")
+    g.add_argument("--fp4-no-stochastic-rounding", action="store_true",
+                   help="FP4 recipes: round gradients to nearest instead of stochastically (ablation)")
+    g.add_argument("--fp4-no-hadamard", action="store_true",
+                   help="FP4 recipes: no random Hadamard transform on the wgrad operands (ablation)")
+    g.add_argument("--fp4-no-2d-weights", action="store_true",
+                   help="nvfp4: quantize weights in 1x16 blocks (each GEMM its own copy) instead of 16x16 tiles "
+                        "(ablation)")
+
+
+def fill_microscaling_defaults(args: argparse.Namespace) -> None:
+    """--fp4-format selects the FP4 recipe as the run's recipe (the FP8 element format stays for the FP8 parts)."""
+    if args.fp4 is not None:
+        args.fp8_recipe = args.fp4_recipe
+        if args.fp8_format is None:
+            args.fp8_format = SCALING_RULES[args.fp4_recipe].default_format
+
+
+def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """The flags' problems, one line each, before any process group. `given`: the flags on the command line."""
+    errors = []
+    if args.fp4 is None:
+        for flag in ("--fp4-recipe", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard", "--fp4-no-2d-weights"):
+            if flag in given:
+                errors.append(f"{flag} needs --fp4-format e2m1")
+    elif "--fp8-recipe" in given:
+        errors.append("--fp8-recipe with --fp4-format: the run's recipe is --fp4-recipe's (layers kept out of FP4 run "
+                      "in BF16, --first-last-layers-bf16)")
+    if args.fp4_param_gather:
+        errors.append("--fp4-param-gather: gathering FP4 weights is not implemented yet; the distributed optimizer "
+                      "gathers high-precision weights under the FP4 recipes (leave it out)")
+    microscaled = args.fp8_format is not None and SCALING_RULES[args.fp8_recipe].build is not None
+    if microscaled and args.fp8_param_gather:
+        errors.append(f"--fp8-param-gather with the {args.fp8_recipe} recipe: gathering microscaled weights is not "
+                      "implemented yet (leave it out: the weights are gathered in high precision)")
+    if microscaled and getattr(args, "compile", False):
+        errors.append(f"--compile with the {args.fp8_recipe} recipe: the microscaled casts run eagerly for now "
+                      "(leave --compile out)")
+    if "--mx-scale-rounding" in given and not (microscaled and args.fp8_recipe in ("mxfp8", "mxfp4")):
+        errors.append("--mx-scale-rounding needs --fp8-recipe mxfp8 or --fp4-format e2m1 --fp4-recipe mxfp4")
+    if args.fp4 is not None and not args.fp4_no_hadamard:
+        tokens = args.micro_batch_size * args.seq_length // max(args.context_parallel_size, 1)
+        if tokens % HADAMARD_SIZE:
+            errors.append(f"--fp4-format: the Hadamard transform runs along the tokens of a micro-batch in blocks of "
+                          f"{HADAMARD_SIZE}; --micro-batch-size x --seq-length (/ --context-parallel-size) = {tokens} "
+                          "is not a multiple (or pass --fp4-no-hadamard)")
+    return errors
