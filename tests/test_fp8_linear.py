@@ -208,7 +208,7 @@ def test_autocast_and_precision_map():
 
 def test_recipe_validation_names_the_flag():
     with pytest.raises(ValueError, match="--fp8-recipe"):
-        Fp8Recipe(scaling="mxfp8")
+        Fp8Recipe(scaling="mxfp16")
     with pytest.raises(ValueError, match="--fp8-format"):
         Fp8Recipe(fp8_format="e5m2")
     with pytest.raises(ValueError, match="--fp8-amax-compute-algo"):

@@ -144,3 +144,45 @@ def test_fp4_flags_select_the_recipe_with_megatron_names():
     assert (recipe.scaling, recipe.element_bits, recipe.mx_scale_rounding) == ("mxfp4", 4, "floor")
     assert recipe.quantizer("grad_output").stochastic and recipe.quantizer("input").hadamard_transposed
     assert not recipe.quantizer("weight").stochastic
+
+
+def test_precision_schedule_switches_once_and_a_resume_across_the_switch_is_bit_exact(data_prefix, tmp_path):
+    """--fp4-until-iteration 3: iterations 1-3 are the plain NVFP4 run's bits, 4-6 run in high precision; a run
+    saved at iteration 2 and resumed switches at the same iteration and is bit-exact with the straight run; the
+    forward-only variant (--fp4-switch-gemms fprop) and a switch to MXFP8 are other runs from iteration 4 on."""
+    run = [*MODEL, *RECIPES["nvfp4"], "--data-path", data_prefix, "--train-iters", "6"]
+    _run(1, *run, "--log-dir", str(tmp_path / "plain"))
+    plain = _losses(tmp_path / "plain")
+    scheduled = [*run, "--fp4-until-iteration", "3"]
+    out = _run(1, *scheduled, "--log-dir", str(tmp_path / "straight"))
+    assert out.count("precision schedule: FP4 layers switch to high precision at iteration 4") == 1
+    straight = _losses(tmp_path / "straight")
+    assert [straight[i] for i in (1, 2, 3)] == [plain[i] for i in (1, 2, 3)]
+    assert all(straight[i] != plain[i] for i in (4, 5, 6))
+
+    ckpt = str(tmp_path / "ckpt")
+    _run(1, *scheduled, "--exit-interval", "2", "--save", ckpt, "--log-dir", str(tmp_path / "first"))
+    out = _run(1, *scheduled, "--load", ckpt, "--log-dir", str(tmp_path / "resumed"))
+    assert "switch to high precision at iteration 4" in out
+    assert _losses(tmp_path / "resumed") == {i: straight[i] for i in (3, 4, 5, 6)}
+
+    # fprop-only: iteration 4's forward (its loss) is the full switch's, its NVFP4 backward makes 5 and 6 differ.
+    for variant, differ_from in ((["--fp4-switch-gemms", "fprop"], (5, 6)), (["--fp4-switch-to", "mxfp8"], (4, 5, 6))):
+        log_dir = tmp_path / variant[1]
+        _run(1, *scheduled, *variant, "--log-dir", str(log_dir))
+        other = _losses(log_dir)
+        assert [other[i] for i in (1, 2, 3)] == [plain[i] for i in (1, 2, 3)], variant
+        assert all(other[i] != straight[i] for i in differ_from), variant
+        _assert_tracks(other, straight, LOSS_RTOL["nvfp4"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fp4-until-iteration", "3"], "--fp4-until-iteration/--fp4-until-fraction need --fp4-format e2m1"),
+    (["--fp4-format", "e2m1", "--fp4-until-fraction", "1.5"], "--fp4-until-fraction must be in (0, 1)"),
+    (["--fp4-format", "e2m1", "--fp4-switch-to", "mxfp8"], "--fp4-switch-to needs --fp4-until-iteration"),
+    (["--fp4-format", "e2m1", "--fp4-until-iteration", "3", "--fp4-switch-gemms", "fprop", "--sequence-parallel",
+      "--tensor-model-parallel-size", "2"], "--fp4-switch-gemms fprop with --sequence-parallel"),
+])
+def test_misused_schedule_flags_are_refused_in_one_line(flags, message):
+    _, errors, _ = parse_and_check([*MODEL, "--mock-data", "--train-iters", "6", *flags], world_size=2)
+    assert any(message in e for e in errors), errors

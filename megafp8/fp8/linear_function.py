@@ -257,7 +257,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         needs_wgrad = ctx.needs_input_grad[1]  # grad mode is off inside forward; ask autograd instead
         x_quantizer = recipe.quantizer("input")
         raw, extras = x, ()
-        fused = _fused_prologue_input(raw, prologue_params, args, needs_wgrad) if prologue is not None else None
+        # A high-precision fprop (a precision schedule's forward-only switch) reads x itself: no fused cast.
+        fused = (_fused_prologue_input(raw, prologue_params, args, needs_wgrad)
+                 if prologue is not None and not recipe.fprop_high_precision else None)
         if prologue is not None and fused is None:
             x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
         x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
@@ -285,7 +287,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_t = _transposed_parts(x_fp8) if needs_wgrad else None
 
         # ---- fprop GEMM; a row-parallel output is reduce-scattered to this rank's sequence shard ----
-        y = scaled_gemm(x_fp8, weight_fp8, out_dtype=x_dtype, bias=bias, fast_accum=recipe.fast_accum("fprop"))
+        if recipe.fprop_high_precision:  # the NVFP4 paper's late switch of the forward GEMMs only (precision_schedule.py)
+            if args.sp_input is not None:
+                raise NotImplementedError("a high-precision fprop under sequence parallelism would gather x in high "
+                                          "precision; the forward-only precision switch runs without --sequence-parallel")
+            w = weight if args.wgrad_column_scale is None else weight * args.wgrad_column_scale.to(weight.dtype)
+            y = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w.to(x.dtype),
+                                           bias.to(x.dtype) if bias is not None else None)
+        else:
+            y = scaled_gemm(x_fp8, weight_fp8, out_dtype=x_dtype, bias=bias, fast_accum=recipe.fast_accum("fprop"))
         if args.sp_output is not None:
             y = args.sp_output.reduce_scatter_rows_async(y).wait()
 

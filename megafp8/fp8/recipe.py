@@ -140,6 +140,8 @@ class Fp8Recipe:
     fp4_stochastic_rounding, fp4_hadamard, fp4_weight_2d: the FP4 recipes' parts (nvfp4, mxfp4), on by default as
                         NVIDIA's NVFP4 recipe: gradients rounded stochastically, the wgrad operands through the
                         16-point random Hadamard transform, 16x16 weight tiles (nvfp4); each can be switched off
+    fprop_high_precision: the forward GEMM (x W^T) in high precision, dgrad and wgrad still in this recipe: the
+                        NVFP4 paper's late switch of the forward pass only (set by a precision schedule)
     """
 
     scaling: str = "delayed"  # a SCALING_RULES name: delayed, tensorwise, rowwise, blockwise or a registered one
@@ -153,6 +155,7 @@ class Fp8Recipe:
     fp4_stochastic_rounding: bool = True
     fp4_hadamard: bool = True
     fp4_weight_2d: bool = True
+    fprop_high_precision: bool = False
 
     def __post_init__(self):
         if self.scaling not in SCALING_RULES:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from megafp8.fp8.recipe import FP4_SCALINGS, SCALING_RULES
+from megafp8.fp8.precision_schedule import GEMM_SCOPES, PrecisionSchedule
+from megafp8.fp8.recipe import FP4_SCALINGS, SCALING_RULES, Fp8Recipe
 from megafp8_kernels.microscaling_reference import HADAMARD_SIZE
 
 FP4_FORMATS = ("e2m1",)
+SWITCH_TARGETS = ("bf16", "mxfp8", "tensorwise", "rowwise", "blockwise")
 
 
 def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
@@ -29,6 +31,17 @@ def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--fp4-no-2d-weights", action="store_true",
                    help="nvfp4: quantize weights in 1x16 blocks (each GEMM its own copy) instead of 16x16 tiles "
                         "(ablation)")
+    g.add_argument("--fp4-until-iteration", type=int, default=None,
+                   help="precision schedule: the last iteration in FP4; from the next one the FP4 layers run "
+                        "--fp4-switch-to (the FP4 papers' late switch to higher precision)")
+    g.add_argument("--fp4-until-fraction", type=float, default=None,
+                   help="the same as a fraction of the run's iterations (e.g. 0.82: the last 18%% in higher precision)")
+    g.add_argument("--fp4-switch-to", choices=SWITCH_TARGETS, default="bf16",
+                   help="what the FP4 layers run after the switch: bf16 (high precision) or an FP8 recipe (with "
+                        "--fp8-format's elements, e4m3 by default)")
+    g.add_argument("--fp4-switch-gemms", choices=GEMM_SCOPES, default="all",
+                   help="all GEMMs switch, or only fprop (the NVFP4 paper's variant: the forward GEMMs in high "
+                        "precision, dgrad and wgrad stay FP4; not with --sequence-parallel)")
 
 
 def fill_microscaling_defaults(args: argparse.Namespace) -> None:
@@ -61,6 +74,21 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
                       "(leave --compile out)")
     if "--mx-scale-rounding" in given and not (microscaled and args.fp8_recipe in ("mxfp8", "mxfp4")):
         errors.append("--mx-scale-rounding needs --fp8-recipe mxfp8 or --fp4-format e2m1 --fp4-recipe mxfp4")
+    scheduled = args.fp4_until_iteration is not None or args.fp4_until_fraction is not None
+    if args.fp4_until_iteration is not None and args.fp4_until_fraction is not None:
+        errors.append("--fp4-until-iteration and --fp4-until-fraction are exclusive")
+    if scheduled and args.fp4 is None:
+        errors.append("--fp4-until-iteration/--fp4-until-fraction need --fp4-format e2m1")
+    if args.fp4_until_fraction is not None and not 0 < args.fp4_until_fraction < 1:
+        errors.append(f"--fp4-until-fraction must be in (0, 1), got {args.fp4_until_fraction}")
+    if args.fp4_until_iteration is not None and args.fp4_until_iteration < 0:
+        errors.append(f"--fp4-until-iteration must be >= 0, got {args.fp4_until_iteration}")
+    for flag in ("--fp4-switch-to", "--fp4-switch-gemms"):
+        if flag in given and not scheduled:
+            errors.append(f"{flag} needs --fp4-until-iteration or --fp4-until-fraction")
+    if scheduled and args.fp4_switch_gemms == "fprop" and args.sequence_parallel:
+        errors.append("--fp4-switch-gemms fprop with --sequence-parallel: the high-precision forward would gather x "
+                      "in high precision, which is not built (switch all GEMMs, or leave out --sequence-parallel)")
     if args.fp4 is not None and not args.fp4_no_hadamard:
         tokens = args.micro_batch_size * args.seq_length // max(args.context_parallel_size, 1)
         if tokens % HADAMARD_SIZE:
@@ -68,3 +96,16 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
                           f"{HADAMARD_SIZE}; --micro-batch-size x --seq-length (/ --context-parallel-size) = {tokens} "
                           "is not a multiple (or pass --fp4-no-hadamard)")
     return errors
+
+
+def precision_schedule_from_args(args: argparse.Namespace, train_iters: int) -> PrecisionSchedule | None:
+    """The run's precision schedule (None without --fp4-until-*): the switch's first iteration and its target."""
+    if args.fp4 is None or (args.fp4_until_iteration is None and args.fp4_until_fraction is None):
+        return None
+    last_fp4 = (args.fp4_until_iteration if args.fp4_until_iteration is not None
+                else round(args.fp4_until_fraction * train_iters))
+    then = None
+    if args.fp4_switch_to != "bf16":
+        then = Fp8Recipe.named(args.fp4_switch_to, fp8_format=args.fp8_format or "e4m3",
+                               mx_scale_rounding=args.mx_scale_rounding)
+    return PrecisionSchedule(at=last_fp4 + 1, then=then, gemms=args.fp4_switch_gemms)

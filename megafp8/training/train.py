@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
 from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
 from megafp8.fp8.rounding_keys import begin_rounding_iteration
+from megafp8.training.microscaling_flags import precision_schedule_from_args
 from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
 from megafp8.parallel.context_parallel import split_for_context_parallel
@@ -167,6 +168,7 @@ class Trainer:
         self.schedule = learning_rate_schedule(args)
         self.decoupled_schedule = decoupled_learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
+        self.precision_schedule = precision_schedule_from_args(args, self.train_iters)
         # The last pipeline stage computes the loss; its first TP/CP/DP rank speaks for the run.
         ps = parallel_state
         self.is_logging_rank = ps.rank == ps.world_size - ps.tp_size * ps.cp_size * ps.dp_size
@@ -225,6 +227,10 @@ class Trainer:
         """Phase 1: a zeroed grad buffer, the next global batch, forward and backward of its micro-batches; this
         rank's loss (a device tensor). The FP8 amaxes it observed stay pending."""
         self.ddp.zero_grad_buffer()
+        if self.precision_schedule is not None and self.precision_schedule.apply(self.pipeline.precision_plans,
+                                                                                 self.progress.iteration + 1):
+            if self.is_stage_lead:
+                print(f" precision schedule: {self.precision_schedule.describe()}", flush=True)
         if self.rounds_stochastically:  # keys of (seed, iteration, rank, layer): a resumed run draws the same bits
             begin_rounding_iteration(self.pipeline.chunks, self.args.seed, self.progress.iteration + 1, self.ps.rank)
         inputs, labels = self._global_batch(self.train_batches)
