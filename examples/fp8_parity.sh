@@ -8,7 +8,10 @@
 #         layers.0.mlp.linear_fc2's input forced to overflow from 1/5 of the run on by the test hook
 #         MEGAFP8_FORCE_FP8_OVERFLOW (megafp8/fp8/forced_overflow.py), with the guard and without it),
 #         fp8_zero_dp2 / fp8_grad_reduce (DP=2 under torchrun, half the micro-batch, the same global batch: FP8
-#         delayed + ZeRO, without and with --fp8-grad-reduce; the report compares the pair, 0.5% band)
+#         delayed + ZeRO, without and with --fp8-grad-reduce; the report compares the pair, 0.5% band),
+#         mxfp8 (E4M3, E8M0 scale per 32), nvfp4 (--fp4-format e2m1: stochastic rounding, Hadamard wgrad, 16x16
+#         weights) and its ablations nvfp4_no_sr / nvfp4_no_rht / nvfp4_no_2d (one part off each), mxfp4
+#         (emulated on CPU: the numerics of Blackwell's block-scaled GEMMs, not their speed)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
@@ -68,12 +71,18 @@ declare -A run_flags=(
   [fp8_overflow_unguarded]="$fp8 delayed --no-fp8-saturation-guard"
   [fp8_zero_dp2]="$fp8 delayed --use-distributed-optimizer --micro-batch-size $((micro_batch / 2))"
   [fp8_grad_reduce]="$fp8 delayed --use-distributed-optimizer --micro-batch-size $((micro_batch / 2)) --fp8-grad-reduce"
+  [mxfp8]="--fp8-format e4m3 --fp8-recipe mxfp8"
+  [nvfp4]="--fp4-format e2m1 --fp4-recipe nvfp4"
+  [nvfp4_no_sr]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-no-stochastic-rounding"
+  [nvfp4_no_rht]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-no-hadamard"
+  [nvfp4_no_2d]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-no-2d-weights"
+  [mxfp4]="--fp4-format e2m1 --fp4-recipe mxfp4"
 )
 dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
 declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"

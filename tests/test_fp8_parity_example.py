@@ -1,4 +1,4 @@
-"""examples/fp8_parity.sh --quick (a reduced model): every FP8 mode trains (final loss below its first) and
+"""examples/fp8_parity.sh --quick (a reduced model): every FP8, MX and FP4 mode trains (final loss below its first) and
 stays within a loose 10% of the fp32 baseline's final validation loss; the report lists every run; the guard
 moves the layer the forced-overflow hook clips to high precision, and only in the run that has the guard."""
 import json
@@ -8,7 +8,8 @@ import subprocess
 from data_fixtures import REPO_ROOT
 
 RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_zero_compressed",
-        "fp8_delayed_smooth_swiglu", "fp8_overflow_guarded", "fp8_overflow_unguarded"]
+        "fp8_delayed_smooth_swiglu", "fp8_overflow_guarded", "fp8_overflow_unguarded", "mxfp8", "nvfp4", "nvfp4_no_sr",
+        "nvfp4_no_rht", "nvfp4_no_2d", "mxfp4"]
 
 
 def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
@@ -16,7 +17,7 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
            "PARITY_MODEL": "--num-layers 1 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 "
                            "--seq-length 32 --micro-batch-size 4 --global-batch-size 4"}
     result = subprocess.run(["bash", os.path.join(REPO_ROOT, "examples", "fp8_parity.sh"), "--quick", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env=env)
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     final_val, switches = {}, {}
     for name in RUNS:

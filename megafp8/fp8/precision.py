@@ -36,7 +36,8 @@ def apply_precision_map(blocks: Sequence[nn.Module], recipes: Sequence[Fp8Recipe
                 continue
             plan = plan_of(module)
             if plan is not None:
-                plan.set_recipe(plan.name_of(module), recipe, CONFIG)
+                ladder = recipe.guard_ladder() if recipe is not None else None  # FP4 -> FP8 -> BF16 for FP4
+                plan.set_recipe(plan.name_of(module), recipe, CONFIG, ladder=ladder)
                 continue
             module.force_high_precision = recipe is None
             if recipe is not None:

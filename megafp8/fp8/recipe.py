@@ -142,6 +142,8 @@ class Fp8Recipe:
                         16-point random Hadamard transform, 16x16 weight tiles (nvfp4); each can be switched off
     fprop_high_precision: the forward GEMM (x W^T) in high precision, dgrad and wgrad still in this recipe: the
                         NVFP4 paper's late switch of the forward pass only (set by a precision schedule)
+    fp4_guard_fallback: the FP8 recipe the saturation guard moves a saturating FP4 layer to before BF16 (the ladder
+                        FP4 -> FP8 -> BF16); "bf16" skips the FP8 step
     """
 
     scaling: str = "delayed"  # a SCALING_RULES name: delayed, tensorwise, rowwise, blockwise or a registered one
@@ -156,6 +158,7 @@ class Fp8Recipe:
     fp4_hadamard: bool = True
     fp4_weight_2d: bool = True
     fprop_high_precision: bool = False
+    fp4_guard_fallback: str = "mxfp8"
 
     def __post_init__(self):
         if self.scaling not in SCALING_RULES:
@@ -211,7 +214,17 @@ class Fp8Recipe:
             fp4_stochastic_rounding=not getattr(args, "fp4_no_stochastic_rounding", False),
             fp4_hadamard=not getattr(args, "fp4_no_hadamard", False),
             fp4_weight_2d=not getattr(args, "fp4_no_2d_weights", False),
+            fp4_guard_fallback=getattr(args, "fp4_guard_fallback", "mxfp8"),
         )
+
+    def guard_ladder(self) -> tuple[Fp8Recipe | None, ...]:
+        """The recipes the saturation guard moves a layer of this recipe through, this one first, ending in None
+        (high precision): an FP4 recipe steps through its FP8 fallback (--fp4-guard-fallback), FP8 goes to BF16."""
+        if self.element_bits != 4 or self.fp4_guard_fallback == "bf16":
+            return (self, None)
+        fallback = Fp8Recipe.named(self.fp4_guard_fallback, fp8_format=self.fp8_format,
+                                   mx_scale_rounding=self.mx_scale_rounding)
+        return (self, fallback, None)
 
     def replace(self, **overrides) -> Fp8Recipe:
         """A per-layer override, e.g. `recipe.replace(scaling="blockwise")`."""

@@ -171,6 +171,7 @@ class SaturationGuard:
         self.all_reduce_max = all_reduce_max
         self.strikes: dict[str, int] = {}
         self.switched: set[str] = set()
+        self.demotions: dict[str, int] = {}  # steps down its ladder per switched layer (FP4 -> FP8 -> BF16: up to 2)
         self.events: list[dict] = []
         self._messages: list[str] = []
         # Device state of the layers checked since the last read (_start): their (name, module), each stat's
@@ -181,14 +182,15 @@ class SaturationGuard:
         """The guard between two checks, for a step re-run: host strikes and switches, its device tensors (replaced,
         never written into, at each check: holding them is a snapshot) and its lagged-flag ring's count. Reads no
         device value."""
-        return {"strikes": dict(self.strikes), "switched": set(self.switched), "events": list(self.events),
+        return {"strikes": dict(self.strikes), "switched": set(self.switched), "demotions": dict(self.demotions),
+                "events": list(self.events),
                 "_messages": list(self._messages), "_layers": self._layers, "_structure": self._structure,
                 "_numels": self._numels, "_unread": self._unread, "_device": dict(self._device),
                 "_flags": self._flags, "flag_count": self._flags.count}
 
     def restore(self, snapshot: dict) -> None:
         """Back to `snapshot`; refused once a layer was switched to high precision since (that is not undone)."""
-        if self.switched != snapshot["switched"]:
+        if self.switched != snapshot["switched"] or self.demotions != snapshot["demotions"]:
             raise RuntimeError("the saturation guard switched layers to high precision since the snapshot "
                                f"({sorted(self.switched - snapshot['switched'])}); a re-run must go back before the "
                                "optimizer step's guard check")
@@ -277,13 +279,17 @@ class SaturationGuard:
             _demote(module)
             module.fp8_telemetry.clear()
             self.switched.add(name)
+            self.demotions[name] = self.demotions.get(name, 0) + 1
+            if not module.runs_high_precision:
+                self.strikes[name] = 0  # moved to FP8 (from FP4): checked afresh in its new format
             switched = True
             at = int(tripped_at)
             self.events.append({"iteration": at if at >= 0 else iteration, "layer": name, "saturated": fraction})
             when = f" at iteration {at}" if at >= 0 else ""
             later = f" (applied at iteration {iteration})" if iteration is not None and 0 <= at < iteration else ""
+            to = "high precision" if module.runs_high_precision else f"{module.recipe.scaling} {module.recipe.fp8_format}"
             self._messages.append(f"fp8 guard: {name or 'model'} saturated {fraction:.2%} > {self.threshold:.2%} for "
-                                  f"{self.patience} checks{when}: switched to high precision{later}")
+                                  f"{self.patience} checks{when}: switched to {to}{later}")
         if switched:  # the next check starts afresh from the host strikes, without the switched layers
             self._start([], [])
 
@@ -295,7 +301,7 @@ class SaturationGuard:
     def state_dict(self) -> dict:
         self._read()  # a checkpoint is a read point: a layer that tripped since the last read switches now
         # (no read at all when nothing was checked since the last one, e.g. a save on a log iteration)
-        return {"strikes": dict(self.strikes), "switched": sorted(self.switched)}
+        return {"strikes": dict(self.strikes), "switched": sorted(self.switched), "demotions": dict(self.demotions)}
 
     def load_state_dict(self, state: dict, model: nn.Module) -> None:
         self._start([], [])
@@ -304,9 +310,12 @@ class SaturationGuard:
         for name in state.get("switched", []):
             if name not in modules:
                 raise KeyError(f"saturation guard state names layer {name!r}, which this model does not have")
-            _demote(modules[name])
+            steps = state.get("demotions", {}).get(name, 1)  # a checkpoint from before the ladder: one step
+            for _ in range(steps):
+                _demote(modules[name])
             modules[name].fp8_telemetry.clear()
             self.switched.add(name)  # so the next checkpoint keeps it
+            self.demotions[name] = steps
 
 
 def _demote(layer: nn.Module) -> None:

@@ -31,6 +31,9 @@ def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--fp4-no-2d-weights", action="store_true",
                    help="nvfp4: quantize weights in 1x16 blocks (each GEMM its own copy) instead of 16x16 tiles "
                         "(ablation)")
+    g.add_argument("--fp4-guard-fallback", choices=SWITCH_TARGETS, default="mxfp8",
+                   help="where the saturation guard moves a saturating FP4 layer first (then to BF16 if it still "
+                        "saturates): an FP8 recipe, or bf16 to skip the FP8 step")
     g.add_argument("--fp4-until-iteration", type=int, default=None,
                    help="precision schedule: the last iteration in FP4; from the next one the FP4 layers run "
                         "--fp4-switch-to (the FP4 papers' late switch to higher precision)")
@@ -56,7 +59,8 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
     """The flags' problems, one line each, before any process group. `given`: the flags on the command line."""
     errors = []
     if args.fp4 is None:
-        for flag in ("--fp4-recipe", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard", "--fp4-no-2d-weights"):
+        for flag in ("--fp4-recipe", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard", "--fp4-no-2d-weights",
+                     "--fp4-guard-fallback"):
             if flag in given:
                 errors.append(f"{flag} needs --fp4-format e2m1")
     elif "--fp8-recipe" in given:
