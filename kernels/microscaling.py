@@ -1,10 +1,12 @@
 """quantize_microscaled: a tensor to an MXFP8, MXFP4 or NVFP4 QuantizedTensor (the row-major copy and, with
 `transpose`, the transposed copy quantized separately from high precision, optionally Hadamard-transformed and
-stochastically rounded). Runs the torch twin (microscaling_reference.py); a Triton kernel plugs in beside it."""
+stochastically rounded). Triton on CUDA tensors (microscaling_triton.py), the torch twin elsewhere
+(microscaling_reference.py), bit for bit the same; `backend=` or MEGAFP8_KERNEL_BACKEND overrides, as for FP8."""
 from __future__ import annotations
 
 import torch
 
+from .dispatch import resolve_backend
 from .formats import E2M1, ElementFormat, ScaleFormat, ScaleLayout
 from .microscaling_reference import (
     mx_quantize_copy,
@@ -20,7 +22,7 @@ from .quantized_tensor import QuantizedTensor
 
 def quantize_microscaled(x: torch.Tensor, fmt: ElementFormat, layout: ScaleLayout, *, transpose: bool = False,
                          hadamard_transposed: bool = False, key: int | None = None, scale_rounding: str = "ceil",
-                         encode_scale: torch.Tensor | None = None, stats: bool = False,
+                         encode_scale: torch.Tensor | None = None, stats: bool = False, backend: str | None = None,
                          ) -> tuple[QuantizedTensor, torch.Tensor, torch.Tensor | None]:
     """x (rows, K) -> (QuantizedTensor, the row-major copy's block amaxes, its [saturated, flushed] counts or None).
 
@@ -32,6 +34,12 @@ def quantize_microscaled(x: torch.Tensor, fmt: ElementFormat, layout: ScaleLayou
     scale_rounding       MX: "ceil" (RCEIL, the default) or "floor" (OCP)
     encode_scale         NVFP4: the per-tensor S_enc agreed over ranks (else this tensor's own)
     """
+    if resolve_backend(x.device, backend) == "triton":
+        from .microscaling_triton import quantize_microscaled_triton  # Triton is imported only where it is used
+
+        return quantize_microscaled_triton(x, fmt, layout, transpose=transpose, hadamard_transposed=hadamard_transposed,
+                                           key=key, scale_rounding=scale_rounding, encode_scale=encode_scale,
+                                           stats=stats)
     if x.dim() != 2:
         raise ValueError(f"quantize_microscaled takes a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape

@@ -17,6 +17,8 @@ The rules, exact (the anchors they follow, and where they deviate, in docs/kerne
                 anchors map an inf amax to a finite scale, which hides the overflow).
   RHT           the transposed copy's rows, in blocks of 16 along K, times (D H16) / 4 (H16 Sylvester's Hadamard
                 matrix, D one fixed diagonal of signs): orthogonal, so (A M)(B M)^T = A B^T; summed in fp64.
+  tiny blocks   an MX block whose amax / ELEM_MAX underflows to 0 gets the smallest scale (byte 0), as any block
+                below 2^-127 ELEM_MAX does.
 """
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ def e8m0_exponents(amax: torch.Tensor, fmt: ElementFormat, scale_rounding: str =
     positive = amax > 0
     safe = torch.where(positive & torch.isfinite(amax), amax, torch.ones_like(amax))
     if scale_rounding == "ceil":
-        unbiased = _ceil_log2(safe / fmt.max)
+        q = safe / fmt.max  # underflows to 0 for amax below ~2^-141 (E4M3): the smallest scale, as a tiny amax gets
+        unbiased = torch.where(q == 0, torch.full_like(q, -E8M0_BIAS, dtype=torch.int32), _ceil_log2(q))
     elif scale_rounding == "floor":  # OCP: floor(log2(amax)) - the element's largest exponent
         unbiased = torch.frexp(safe)[1] - 1 - (torch.frexp(torch.tensor(fmt.max))[1] - 1)
     else:
@@ -146,7 +149,8 @@ def hadamard_matrix(dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x (rows, K) with every 16 consecutive elements of a row times M (K a multiple of 16), summed in fp64 and
-    rounded once to fp32 (order-free: any backend's sum of the 16 exact fp64 products rounds alike)."""
+    rounded once to fp32: the 16 products are exact in fp64, and so is their sum (in any order) when the block's
+    values lie within about 2^25 of each other; the Triton kernel sums the same way."""
     rows, cols = x.shape
     if cols % HADAMARD_SIZE:
         raise ValueError(f"the Hadamard transform runs in blocks of {HADAMARD_SIZE} along K, got K = {cols}")
@@ -203,7 +207,9 @@ def mx_quantize_copy(x32: torch.Tensor, fmt: ElementFormat, *, scale_rounding: s
     rows, cols = x32.shape
     amax = block_amax(x32, MX_1X32.block)
     scale_bytes = e8m0_exponents(amax, fmt, scale_rounding)
-    scaled = x32 * _expand(_mx_encode_factor(scale_bytes), rows, cols, MX_1X32.block)
+    factor = _expand(_mx_encode_factor(scale_bytes), rows, cols, MX_1X32.block)
+    # A NaN block writes the factor's (positive) NaN: x * NaN's sign would depend on the platform's operand order.
+    scaled = torch.where(factor.isnan(), factor, x32 * factor)
     counts = _cast_counts(x32, scaled, fmt) if stats else None
     if fmt is E2M1:
         payload = pack_e2m1(e2m1_codes(scaled, _uniforms(key, rows, cols, x32.device)))
