@@ -12,23 +12,27 @@ Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budg
                       8B examples' exact shapes (so no later step compiles them inside its time), with registers,
                       spills (n_spills), wgmma.wait_group and TMA per kernel; fails only on a regression (a compile
                       error, a spill outside the audit's known ones, marked "known" in its table);
-  tests       (75 s)  the kernel, fused-prologue and FP8 linear tests on CUDA against their twins, the in-cast
+  tests       (65 s)  the kernel, fused-prologue and FP8 linear tests on CUDA against their twins, the in-cast
                       telemetry counts, the promotion order, the on-device model build, the guard's pinned-memory
                       flags, the fused optimizer kernels against their twins (the default GEMM config, no tuning;
                       xdist -n 12 if present; skipped with a reason if the image has no pytest: installs nothing);
-  gemm        (45 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
+  gemm        (40 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
   wgrad       (25 s)  bench_gemm.py --wgrad: wgrad into fp32 main_grad, Triton accumulate vs _scaled_mm + add_;
   gluon       (15 s)  bench_gemm.py --gemm-only with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a
                       wgmma group in flight, kernels/gemm_hopper.py): compare its rows with the gemm step's;
   casts       (10 s)  bench_gemm.py --quantize-only with one K tile per cast program (launch 1,32,16,4; the
                       default takes 4): compare its GB/s with the gemm step's quantize rows;
+  microscaling (15 s) tools/bench/bench_block_scaled.py: MXFP8 / MXFP4 / NVFP4 block-scaled GEMM TFLOP/s beside
+                      BF16, and their quantize + transposed copy GB/s; "native" on Blackwell (sm_100a), "emulated (BF16
+                      upcast)" on Hopper, where these recipes are for numerics studies, not speed;
   train      (130 s)  tools/bench/bench_train.py: a ~1B Llama, 16k tokens per step, bf16 vs FP8 delayed and blockwise
                       eager, then bf16 and FP8 delayed under --compile and FP8 delayed under --enable-cuda-graph
                       (exact --only names), 4 iterations each, 2 untimed (the compile lands in them), and a fifth
                       under --profile: its Chrome trace in profiles/<run>.json.gz (where the step's time goes).
 Each step's row in steps.tsv also counts the kernels it compiled (new cubins in the Triton cache): after the
 precompile step, tests compile only their own small shapes, and train should compile nothing.
---steps LIST      comma-separated subset of: precompile,tests,gemm,wgrad,gluon,casts,train (default: all, in order)
+--steps LIST      comma-separated subset of: precompile,tests,gemm,wgrad,gluon,casts,microscaling,train (default: all,
+                  in order)
 --dry-run         print each step's command and budget, run nothing (works without a GPU)
 --cpu-precompile  no GPU needed: run the precompile step's audit shards on this CPU under the GPU image's Triton
                   (3.6.0, from the side venv tools/bench/triton_side_venv.sh makes), the shards one after another,
@@ -41,7 +45,7 @@ Exits 0 when every step passed; 1 when a step failed or no CUDA GPU is visible (
 2 on a bad argument; 3 when --cpu-precompile cannot download the Triton 3.6.0 wheel for its side venv.
 USAGE
 }
-ALL_STEPS="precompile,tests,gemm,wgrad,gluon,casts,train"
+ALL_STEPS="precompile,tests,gemm,wgrad,gluon,casts,microscaling,train"
 steps="$ALL_STEPS" dry_run=0 cpu_precompile=0 shards="0,1,2,3,4,5,6,7"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -71,7 +75,7 @@ cd "$(dirname "$0")/../.."
 # Budgets (sum 360 s): the precompile shards' compile seconds measured on a 2-core CPU under Triton 3.6 (the slowest
 # of 8 balanced shards; docs/benchmarks.md "gpu_check budgets", checked by tests/test_gpu_check_budget.py), then the
 # timed steps, which compile nothing of their own but the tests' small shapes.
-step_budget() { case "$1" in precompile) echo 60 ;; tests) echo 75 ;; gemm) echo 45 ;; wgrad) echo 25 ;; gluon) echo 15 ;; casts) echo 10 ;; train) echo 130 ;; esac; }
+step_budget() { case "$1" in precompile) echo 60 ;; tests) echo 65 ;; gemm) echo 40 ;; wgrad) echo 25 ;; gluon) echo 15 ;; casts) echo 10 ;; microscaling) echo 15 ;; train) echo 130 ;; esac; }
 PRECOMPILE_SHARD_COUNT=8
 # The test files and node ids of the tests step (tests/test_gpu_check_budget.py checks each one exists).
 TESTS_STEP_IDS="tests/test_kernels_quantize.py tests/test_quantize_stats.py tests/test_kernels_gemm.py tests/test_gemm_promotion.py tests/test_kernels_norm_quantize.py tests/test_fp8_linear.py tests/test_init_on_device.py tests/test_rotary_table_length.py tests/test_fp8_guard_device.py tests/test_ring_attention.py::test_blocks_merged_by_lse_equal_full_attention tests/test_optim_fused_step.py::test_kernels_equal_their_twins tests/test_optim_fused_coded.py::test_e4m3_rounding_equals_torchs_cast tests/test_optim_fused_coded.py::test_fp16_stochastic_rounding_equals_the_twin tests/test_optim_fused_coded.py::test_reproducible_log2_exp2 tests/test_optim_fused_coded.py::test_fp16_master_publication_equals_the_slab_decode"
@@ -88,6 +92,7 @@ step_command() {
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
     gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
     casts) echo 'python3 tools/bench/bench_gemm.py --quantize-only --quantize-launch 1,32,16,4 --json "$OUT_DIR/bench_casts_1tile.json"' ;;
+    microscaling) echo 'python3 tools/bench/bench_block_scaled.py --json "$OUT_DIR/bench_block_scaled.json"' ;;
     train) echo 'python3 tools/bench/bench_train.py --iters 4 --warmup 2 --timeout 14 --compile-timeout 28 --only "high precision (bf16)" "fp8 delayed" "fp8 blockwise" "high precision (bf16) + compile" "fp8 delayed + compile" "fp8 delayed + cuda graph" --json "$OUT_DIR/bench_train.json" --profile-dir "$OUT_DIR/profiles"' ;;
   esac
 }
