@@ -17,10 +17,11 @@ setup(
     ],
     extras_require={
         # Peers the tests compare against: transformers (HF Llama), megatron-core (.bin/.idx, data order, LR
-        # schedule), torchao (low-bit AdamW), accelerate (transformers needs it to load an FP8 export);
+        # schedule), torchao (low-bit AdamW, MX/NVFP4 references), accelerate (transformers needs it to load an FP8
+        # export), compressed-tensors (what reads an hf-nvfp4 export: transformers loads it through it);
         # tensorboard and matplotlib are what the reports write with; wandb what --wandb-project logs with.
         "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
-                 "tensorboard", "matplotlib", "accelerate", "wandb"],
+                 "tensorboard", "matplotlib", "accelerate", "wandb", "compressed-tensors"],
         "data": ["sentencepiece", "tokenizers"],
         # What --tensorboard-dir writes with; the README's main job (examples/quickstart.sh) installs
         # `.[data,tensorboard]`, exactly what it runs (tests/test_quickstart.py runs that line in a fresh venv).

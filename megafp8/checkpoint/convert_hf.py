@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from megafp8.checkpoint import nvfp4_export
 from megafp8.checkpoint.atomic import MANIFEST_FILE, iteration_dir, read_tracker
 from megafp8.checkpoint.fp8_export import (BLOCK, RECIPE_KEY, fp8_linear_names, quantization_config,
                                            quantize_blockwise, read_guard_switched, training_recipe)
@@ -329,7 +330,8 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
                   max_shard_bytes: int = 5 * 2**30, iteration: int | None = None,
                   progress: bool = True) -> ModelConfig:
     """Convert a megafp8 checkpoint (any TP/PP/DP layout) into a HF Llama directory: ``save_format`` "hf"
-    (``save_dtype`` bf16|fp32) or "hf-fp8" (128x128 block E4M3 linear weights, everything else bf16)."""
+    (``save_dtype`` bf16|fp32), "hf-fp8" (128x128 block E4M3 linear weights, everything else bf16) or "hf-nvfp4"
+    (the blocks' linear weights in NVFP4, the compressed-tensors layout: nvfp4_export.py; everything else bf16)."""
     if save_dtype not in SAVE_DTYPES:
         raise ConversionError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {save_dtype!r}")
     reader = _CheckpointReader(Path(load_dir), iteration)
@@ -339,21 +341,24 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     config = _config_from_manifest(reader.manifest.get("args", {}), embedding.size[0], reader.path)
     _check_layer_count(config.num_layers, reader.metadata, r"model\.layers\.(\d+)\.", reader.path / MANIFEST_FILE,
                        "num_layers", "the checkpoint holds")
-    dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" else save_dtype]
+    dtype = SAVE_DTYPES["bf16" if save_format in ("hf-fp8", "hf-nvfp4") else save_dtype]
     expected = hf_shapes(config)
     hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                  "torch_dtype": str(dtype).removeprefix("torch.")}
-    fp8 = save_format == "hf-fp8"
-    switched = read_guard_switched(reader.path, reader.index) if fp8 else []  # exported in bf16, as trained
-    fp8_modules = fp8_linear_names(config.num_layers, reader.manifest.get("args", {}), switched) if fp8 else set()
-    if fp8:
-        hf_config["quantization_config"] = quantization_config(config.num_layers, reader.manifest.get("args", {}),
-                                                               switched)
+    fp8, nvfp4 = save_format == "hf-fp8", save_format == "hf-nvfp4"
+    switched = read_guard_switched(reader.path, reader.index) if fp8 or nvfp4 else []  # exported in bf16, as trained
+    saved_args = reader.manifest.get("args", {})
+    fp8_modules = fp8_linear_names(config.num_layers, saved_args, switched) if fp8 or nvfp4 else set()
+    if fp8 or nvfp4:
+        config_of = nvfp4_export.quantization_config if nvfp4 else quantization_config
+        hf_config["quantization_config"] = config_of(config.num_layers, saved_args, switched)
         hf_config[RECIPE_KEY] = training_recipe(reader.manifest)
     plan = []
     for name in _hf_order(config):
         shape = expected[name]
-        if name.removesuffix(".weight") in fp8_modules:
+        if name.removesuffix(".weight") in fp8_modules and nvfp4:
+            plan += nvfp4_export.planned_tensors(name, shape)
+        elif name.removesuffix(".weight") in fp8_modules:
             plan += [(name, shape, torch.float8_e4m3fn),
                      (name + "_scale_inv", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), torch.float32)]
         else:
@@ -365,7 +370,11 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
             if tuple(tensor.shape) != expected[name]:
                 raise ConversionError(f"{reader.path}: {name} has shape {list(tensor.shape)}, the saved flags "
                                       f"imply {list(expected[name])}")
-            if name.removesuffix(".weight") in fp8_modules:
+            if name.removesuffix(".weight") in fp8_modules and nvfp4:
+                for (part, _, _), value in zip(nvfp4_export.planned_tensors(name, expected[name]),
+                                               nvfp4_export.quantize_weight(tensor)):
+                    writer.add(part, value)
+            elif name.removesuffix(".weight") in fp8_modules:
                 weight, scale_inv = quantize_blockwise(tensor)
                 writer.add(name, weight)
                 writer.add(name + "_scale_inv", scale_inv)

@@ -227,7 +227,7 @@ def _validate_entries(header: Any) -> int:
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                       torch.float8_e4m3fn: "F8_E4M3", torch.float64: "F64"}
+                       torch.float8_e4m3fn: "F8_E4M3", torch.float64: "F64", torch.uint8: "U8"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
