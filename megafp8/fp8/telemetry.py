@@ -99,6 +99,25 @@ def collect_fp8_telemetry(model: nn.Module) -> dict[str, float]:
     return dict(zip(keys, torch.stack(values).tolist()))
 
 
+def collect_block_scale_histograms(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{"fp8/<layer>/<role>/log2_block_scale": log2 of every finite, positive block scale (CPU tensor)} of the layers
+    that ran a microscaled recipe (MXFP8, NVFP4, MXFP4: one scale per 16 or 32 elements) in their latest recorded
+    quantization: the distribution users ask TransformerEngine for when a block format misbehaves (scales piling up
+    at the format's floor flush blocks; a wide spread is what the per-tensor NVFP4 scale has to cover). One device to
+    host copy per tensor: for log iterations under --log-fp8-telemetry only."""
+    histograms = {}
+    for name, module in model.named_modules():
+        recipe = getattr(module, "recipe", None)
+        if recipe is None or not getattr(recipe, "is_microscaled", False):
+            continue
+        for role, stats in getattr(module, "fp8_telemetry", {}).items():
+            scales = stats.scale_inv.detach().float().flatten()
+            scales = scales[torch.isfinite(scales) & (scales > 0)]
+            if scales.numel():
+                histograms[f"fp8/{name}/{role}/log2_block_scale"] = torch.log2(scales).cpu()
+    return histograms
+
+
 class _LaggedFlags:
     """A ring of lag + 1 host bools: push() copies a device flag into the next one without blocking, pop_lagged()
     returns the flag pushed `lag` pushes ago (False until there is one), after its copy's CUDA event."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
 from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
 from megafp8.fp8.rounding_keys import begin_rounding_iteration
+from megafp8.fp8.telemetry import collect_block_scale_histograms
 from megafp8.training.microscaling_flags import precision_schedule_from_args
 from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
@@ -314,7 +315,8 @@ class Trainer:
                     # Read first: on a GPU the host runs ahead, and the read waits for the window's last step.
                     loss, grad_norm = self._read_counters(loss, grad_norm)
                     elapsed = (time.perf_counter() - window_start) / window_iters
-                    self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None)
+                    self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None,
+                              collect_block_scale_histograms(self.ddp.module) if telemetry else None)
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
@@ -391,7 +393,8 @@ class Trainer:
         out_of_time = limit is not None and time.monotonic() - start_time > 60 * limit
         return _on_any_rank(stop.requested or out_of_time)
 
-    def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry) -> None:
+    def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry,
+             histograms=None) -> None:
         tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
         record = IterationRecord(
             iteration=self.progress.iteration, train_iters=self.train_iters,
@@ -406,7 +409,7 @@ class Trainer:
             eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration))
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
-            self.log.log_iteration(record, telemetry)
+            self.log.log_iteration(record, telemetry, histograms)
 
     def _log_guard_switches(self) -> None:
         """Write the saturation guard's new switches to metrics.jsonl. Each stage decides on its own layers:

@@ -14,8 +14,12 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megafp8.parallel.collectives import COMM_KINDS
+
+if TYPE_CHECKING:
+    import torch
 
 # Dense peak TFLOP/s per device (no sparsity), for MFU. Matched by substring of the CUDA device name.
 PEAK_TFLOPS = {  # name: (bf16, fp8)
@@ -140,14 +144,19 @@ class TrainingLog:
         if self.wandb is not None and scalars:
             self.wandb.log(scalars, step=step)
 
-    def log_iteration(self, record: IterationRecord, fp8_telemetry: dict[str, float] | None = None) -> None:
-        """``fp8_telemetry``: megafp8.fp8.collect_fp8_telemetry's ``{"fp8/<layer>/<role>/<stat>": value}``."""
+    def log_iteration(self, record: IterationRecord, fp8_telemetry: dict[str, float] | None = None,
+                      histograms: dict[str, torch.Tensor] | None = None) -> None:
+        """``fp8_telemetry``: megafp8.fp8.collect_fp8_telemetry's ``{"fp8/<layer>/<role>/<stat>": value}``;
+        ``histograms``: collect_block_scale_histograms' block scales (TensorBoard histograms)."""
         self._append(record.json_record())
         scalars = {f"train/{name}": getattr(record, name) for name in (
             "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "model_state_bytes_per_param")}
         # A skipped step's NaN loss or grad norm would break the curves' scale: those points are left out.
         scalars = {tag: value for tag, value in scalars.items() if math.isfinite(value)}
         self._scalars({**scalars, **(fp8_telemetry or {})}, record.iteration)
+        if self.tensorboard is not None:
+            for tag, values in (histograms or {}).items():
+                self.tensorboard.add_histogram(tag, values, record.iteration)
 
     def log_validation(self, iteration: int, val_lm_loss: float) -> None:
         self._append({"iteration": iteration, "val_lm_loss": _finite_or_none(val_lm_loss)})
