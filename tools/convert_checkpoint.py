@@ -61,7 +61,7 @@ def check_load_dir(load_dir: str, load_format: str, iteration: int | None) -> No
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--load-format", required=True, choices=["hf", "megafp8", "megatron"])
-    p.add_argument("--save-format", required=True, choices=["megafp8", "hf", "hf-fp8", "hf-nvfp4", "megatron"])
+    p.add_argument("--save-format", required=True, choices=["megafp8", "hf", "hf-fp8", "hf-nvfp4", "hf-mxfp8", "megatron"])
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="must not exist (or be empty); written atomically")
     p.add_argument("--load-iteration", type=int, default=None, help="megafp8/megatron: default the tracker's")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.save_dir} (iteration 0). Train from it with:\n  python -m megafp8.pretrain "
                   f"--load {args.save_dir} --finetune {training_flags(config)} --tokenizer-... (vocab "
                   f"{config.vocab_size})")
-        elif args.load_format == "megafp8" and args.save_format in ("hf", "hf-fp8", "hf-nvfp4"):
+        elif args.load_format == "megafp8" and args.save_format in ("hf", "hf-fp8", "hf-nvfp4", "hf-mxfp8"):
             megafp8_to_hf(args.load_dir, args.save_dir, save_format=args.save_format, save_dtype=args.save_dtype,
                           max_shard_bytes=max_shard_bytes, iteration=args.load_iteration,
                           progress=not args.no_progress)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise CheckpointError(f"--load-format {args.load_format} --save-format {args.save_format} is not a "
                                   "supported pair: hf->megafp8, megatron->megafp8, megafp8->hf, megafp8->hf-fp8, "
-                                  "megafp8->hf-nvfp4, megafp8->megatron")
+                                  "megafp8->hf-nvfp4, megafp8->hf-mxfp8, megafp8->megatron")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from megafp8.checkpoint import nvfp4_export
+from megafp8.checkpoint.microscaled_export import EXPORTS as MICROSCALED_EXPORTS
 from megafp8.checkpoint.atomic import MANIFEST_FILE, iteration_dir, read_tracker
 from megafp8.checkpoint.fp8_export import (BLOCK, RECIPE_KEY, fp8_linear_names, quantization_config,
                                            quantize_blockwise, read_guard_switched, training_recipe)
@@ -330,8 +330,9 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
                   max_shard_bytes: int = 5 * 2**30, iteration: int | None = None,
                   progress: bool = True) -> ModelConfig:
     """Convert a megafp8 checkpoint (any TP/PP/DP layout) into a HF Llama directory: ``save_format`` "hf"
-    (``save_dtype`` bf16|fp32), "hf-fp8" (128x128 block E4M3 linear weights, everything else bf16) or "hf-nvfp4"
-    (the blocks' linear weights in NVFP4, the compressed-tensors layout: nvfp4_export.py; everything else bf16)."""
+    (``save_dtype`` bf16|fp32), "hf-fp8" (128x128 block E4M3 linear weights, everything else bf16), "hf-nvfp4" or
+    "hf-mxfp8" (the blocks' linear weights in NVFP4 / MXFP8, compressed-tensors layouts: microscaled_export.py;
+    everything else bf16)."""
     if save_dtype not in SAVE_DTYPES:
         raise ConversionError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {save_dtype!r}")
     reader = _CheckpointReader(Path(load_dir), iteration)
@@ -341,23 +342,24 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     config = _config_from_manifest(reader.manifest.get("args", {}), embedding.size[0], reader.path)
     _check_layer_count(config.num_layers, reader.metadata, r"model\.layers\.(\d+)\.", reader.path / MANIFEST_FILE,
                        "num_layers", "the checkpoint holds")
-    dtype = SAVE_DTYPES["bf16" if save_format in ("hf-fp8", "hf-nvfp4") else save_dtype]
+    dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" or save_format in MICROSCALED_EXPORTS else save_dtype]
     expected = hf_shapes(config)
     hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                  "torch_dtype": str(dtype).removeprefix("torch.")}
-    fp8, nvfp4 = save_format == "hf-fp8", save_format == "hf-nvfp4"
-    switched = read_guard_switched(reader.path, reader.index) if fp8 or nvfp4 else []  # exported in bf16, as trained
+    fp8, microscaled = save_format == "hf-fp8", MICROSCALED_EXPORTS.get(save_format)
+    low_precision = fp8 or microscaled is not None
+    switched = read_guard_switched(reader.path, reader.index) if low_precision else []  # kept in bf16, as trained
     saved_args = reader.manifest.get("args", {})
-    fp8_modules = fp8_linear_names(config.num_layers, saved_args, switched) if fp8 or nvfp4 else set()
-    if fp8 or nvfp4:
-        config_of = nvfp4_export.quantization_config if nvfp4 else quantization_config
+    fp8_modules = fp8_linear_names(config.num_layers, saved_args, switched) if low_precision else set()
+    if low_precision:
+        config_of = microscaled.quantization_config if microscaled is not None else quantization_config
         hf_config["quantization_config"] = config_of(config.num_layers, saved_args, switched)
         hf_config[RECIPE_KEY] = training_recipe(reader.manifest)
     plan = []
     for name in _hf_order(config):
         shape = expected[name]
-        if name.removesuffix(".weight") in fp8_modules and nvfp4:
-            plan += nvfp4_export.planned_tensors(name, shape)
+        if name.removesuffix(".weight") in fp8_modules and microscaled is not None:
+            plan += microscaled.planned_tensors(name, shape)
         elif name.removesuffix(".weight") in fp8_modules:
             plan += [(name, shape, torch.float8_e4m3fn),
                      (name + "_scale_inv", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), torch.float32)]
@@ -370,9 +372,9 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
             if tuple(tensor.shape) != expected[name]:
                 raise ConversionError(f"{reader.path}: {name} has shape {list(tensor.shape)}, the saved flags "
                                       f"imply {list(expected[name])}")
-            if name.removesuffix(".weight") in fp8_modules and nvfp4:
-                for (part, _, _), value in zip(nvfp4_export.planned_tensors(name, expected[name]),
-                                               nvfp4_export.quantize_weight(tensor)):
+            if name.removesuffix(".weight") in fp8_modules and microscaled is not None:
+                for (part, _, _), value in zip(microscaled.planned_tensors(name, expected[name]),
+                                               microscaled.quantize(tensor)):
                     writer.add(part, value)
             elif name.removesuffix(".weight") in fp8_modules:
                 weight, scale_inv = quantize_blockwise(tensor)
