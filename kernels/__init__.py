@@ -7,6 +7,8 @@ Knows nothing of models or process groups. formats.py declares what an operand i
 Granularity names today's four layouts, and fp8_gemm runs the scale mode its caller's layouts declare.
 A QuantizedTensor is one operand (format, layout, payload, scales, true byte size); scaled_gemm multiplies two of
 them by their declared layouts. counter_hash is the stochastic-rounding hash kernels draw from.
+Microscaling (MXFP8, MXFP4, NVFP4): microscaling.quantize_microscaled (twin: microscaling_reference.py, Triton:
+microscaling_triton.py) and block_scaled_gemm.py (tl.dot_scaled), which scaled_gemm dispatches microscaled pairs to.
 quantize and fp8_gemm are torch custom ops (megafp8::*) with fake implementations, so torch.compile traces
 through them.
 The Triton quantizer lives in quantize_triton.py, not quantize.py: importing a submodule named
