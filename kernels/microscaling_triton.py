@@ -74,10 +74,11 @@ def _e8m0_bytes(amax, ELEM_MAX: tl.constexpr, ELEM_EMAX: tl.constexpr, FLOOR: tl
     if FLOOR:  # OCP: floor(log2(amax)) - the element's largest exponent
         floor, _ = _floor_log2(safe)
         unbiased = floor - ELEM_EMAX
-    else:  # RCEIL: ceil(log2(amax / ELEM_MAX)); a quotient that underflows to 0 gets the smallest scale (the twin too)
+    else:  # RCEIL: ceil(log2(amax / ELEM_MAX))
         q = tl.math.div_rn(safe, tl.full(safe.shape, ELEM_MAX, tl.float32))
         floor, pow2 = _floor_log2(q)
-        unbiased = tl.where(q == 0, -127, floor + tl.where(pow2, 0, 1))
+        # q == 0 (an underflowing quotient) reads as floor -276, clamped below to -127: the smallest scale (the twin too)
+        unbiased = floor + tl.where(pow2, 0, 1)
     unbiased = tl.where(positive, unbiased, -127)
     biased = tl.minimum(tl.maximum(unbiased, -127), 127) + 127
     return tl.where(finite, biased, 255)
