@@ -48,8 +48,7 @@ def quantize_microscaled(x: torch.Tensor, fmt: ElementFormat, layout: ScaleLayou
         data, scale, amax, counts = mx_quantize_copy(x32, fmt, scale_rounding=scale_rounding, key=key, stats=stats)
         result = QuantizedTensor((rows, cols), fmt, layout, data, scale)
         if transpose:
-            xt = x32.t().contiguous()
-            xt = random_hadamard_transform(xt) if hadamard_transposed else xt
+            xt = _transposed_input(x32, hadamard_transposed)
             data_t, scale_t, _, _ = mx_quantize_copy(xt, fmt, scale_rounding=scale_rounding, key=transposed_key(key))
             result.data_t, result.scale_inv_t = data_t, scale_t
         return result, amax, counts
@@ -64,14 +63,19 @@ def quantize_microscaled(x: torch.Tensor, fmt: ElementFormat, layout: ScaleLayou
             result.data_t = pack_e2m1(unpack_e2m1(data).t().contiguous())
             result.scale_inv_t, result.global_scale_inv_t = scale.t().contiguous(), global_inv.clone()
         else:
-            xt = x32.t().contiguous()
-            xt = random_hadamard_transform(xt) if hadamard_transposed else xt
+            xt = _transposed_input(x32, hadamard_transposed)
             # The amax of the transformed copy, not x's: the transform moves mass between elements (TE).
             s_enc_t = encode_scale if encode_scale is not None and not hadamard_transposed else None
             data_t, scale_t, global_t, _, _ = nvfp4_quantize_copy(xt, layout, encode_scale=s_enc_t,
                                                                    key=transposed_key(key))
             result.data_t, result.scale_inv_t, result.global_scale_inv_t = data_t, scale_t, global_t
     return result, amax, counts
+
+
+def _transposed_input(x32: torch.Tensor, hadamard: bool) -> torch.Tensor:
+    """What the transposed copy quantizes: x.T, through the Hadamard transform for the wgrad operands."""
+    xt = x32.t().contiguous()
+    return random_hadamard_transform(xt) if hadamard else xt
 
 
 __all__ = ["quantize_microscaled", "nvfp4_encode_scale"]

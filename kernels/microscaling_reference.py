@@ -116,6 +116,11 @@ def e8m0_values(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(biased == E8M0_NAN, float("nan"), value)
 
 
+def block_scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """Stored block scales -> fp32: E8M0 bytes (uint8) decoded, E4M3 scales widened (before any per-tensor scale)."""
+    return e8m0_values(scale) if scale.dtype == torch.uint8 else scale.float()
+
+
 def _mx_encode_factor(biased: torch.Tensor) -> torch.Tensor:
     """What x is multiplied by before the cast: 2^(127 - e), or 1 for e = 0 (TE's and torchao's rule); NaN for 0xFF."""
     factor = torch.ldexp(torch.ones(biased.shape, device=biased.device), E8M0_BIAS - biased.int())
@@ -246,13 +251,12 @@ def dequantize_microscaled(data: torch.Tensor, scale: torch.Tensor, fmt: Element
     """A microscaled copy -> fp32: element value x block scale (x the per-tensor decode scale, NVFP4)."""
     values = e2m1_values(unpack_e2m1(data)) if fmt is E2M1 else data.float()
     rows, cols = values.shape
-    block_scale = e8m0_values(scale) if scale.dtype == torch.uint8 else scale.float()
-    out = values * _expand(block_scale, rows, cols, layout.block)
+    out = values * _expand(block_scale_values(scale), rows, cols, layout.block)
     return out * global_scale_inv.float() if global_scale_inv is not None else out
 
 
 __all__ = [
-    "E8M0_BIAS", "HADAMARD_SIZE", "NVFP4_16X16", "NVFP4_1X16", "block_amax", "dequantize_microscaled", "e2m1_codes",
+    "E8M0_BIAS", "HADAMARD_SIZE", "NVFP4_16X16", "NVFP4_1X16", "block_amax", "block_scale_values", "dequantize_microscaled", "e2m1_codes",
     "e2m1_values", "e8m0_exponents", "e8m0_values", "hadamard_matrix", "hadamard_signs", "mx_quantize_copy",
     "nvfp4_encode_scale", "nvfp4_quantize_copy", "pack_e2m1", "random_hadamard_transform", "transposed_key",
     "unpack_e2m1",

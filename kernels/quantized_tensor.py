@@ -8,7 +8,7 @@ import torch
 
 from .formats import ElementFormat, ScaleFormat, ScaleLayout, element_format, scale_layout
 from .gemm_reference import dequantize
-from .microscaling_reference import dequantize_microscaled, e8m0_values
+from .microscaling_reference import block_scale_values, dequantize_microscaled
 from .scaling import Fp8Quantized, Granularity, layout_granularity
 
 
@@ -132,11 +132,8 @@ class QuantizedTensor:
         """The row-major copy's block scales as fp32 dequantization factors (telemetry reads these): E8M0 bytes
         decoded, E4M3 scales times the per-tensor decode scale; fp32 scales as they are."""
         _, scale_inv = self.row_major()
-        if scale_inv.dtype == torch.uint8:
-            return e8m0_values(scale_inv)
-        if self.global_scale_inv is not None:
-            return scale_inv.float() * self.global_scale_inv.float()
-        return scale_inv.float()
+        scales = block_scale_values(scale_inv)
+        return scales * self.global_scale_inv.float() if self.global_scale_inv is not None else scales
 
     @property
     def logical_numel(self) -> int:

@@ -310,6 +310,6 @@ def test_fused_transposed_shard_keeps_a_nan_scale_through_a_max_that_drops_nan()
 
     scale_t = torch.tensor([[0.5, float("nan")], [2.0, 1.0]])
     local = SimpleNamespace(granularity=Granularity.BLOCK_1X128, col_major=lambda: (torch.zeros(2, 256), scale_t))
-    _, full = Fp8Recipe.blockwise().quantizer("input").transposed_fused_shard(local, _DroppingMaxComm())
+    _, full, _ = Fp8Recipe.blockwise().quantizer("input").transposed_fused_shard(local, _DroppingMaxComm())
     assert full.shape == (2, 4) and torch.equal(full[:, 2:], torch.zeros(2, 2))
     assert torch.equal(full[:, :2].nan_to_num(-1.0), scale_t.nan_to_num(-1.0))  # the NaN group stays NaN

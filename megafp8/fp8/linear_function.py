@@ -47,7 +47,7 @@ from megafp8_kernels import scaled_gemm
 
 from .forced_overflow import overflowing_scale
 from .prologue import InputPrologue
-from .quantizer import Quantized, Quantizer
+from .quantizer import Quantized, Quantizer, TransposedShard
 from .recipe import Fp8Recipe
 from .telemetry import record_fp8_stats
 from .tensor import Float8Tensor
@@ -197,15 +197,9 @@ def _gather_quantized(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp
     return comm.gather_rows_async(local), local
 
 
-def _transposed_parts(q: Float8Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _transposed_parts(q: Float8Tensor) -> TransposedShard:
     """What forward saves of x^T: payload, scales and (two-level formats) the per-tensor decode scale."""
-    return (*q.col_major(), q.global_scale_inv_t)
-
-
-def _sequence_shard_transposed(quantizer: Quantizer, x2d: torch.Tensor, local: Float8Tensor,
-                               comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    parts = quantizer.transposed_sequence_shard(x2d, local, comm)
-    return parts if len(parts) == 3 else (*parts, None)
+    return TransposedShard(*q.col_major(), q.global_scale_inv_t)
 
 
 def _logical_shape(payload: torch.Tensor, fmt) -> tuple[int, int]:
@@ -268,7 +262,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel
             local, extras = fused
             pending = args.sp_input.gather_rows_async(local)
-            x_t = (*x_quantizer.transposed_fused_shard(local, args.sp_input), None) if needs_wgrad else None
+            x_t = x_quantizer.transposed_fused_shard(local, args.sp_input) if needs_wgrad else None
             x_fp8 = pending.wait()
         elif fused is not None:
             x_fp8, extras = fused
@@ -278,7 +272,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             pending, local = _gather_quantized(x2d, recipe, "input", layer, args.sp_input, args.observe)
             # Only this rank's shard of x^T is kept (Megatron/TE keep the local shard too); built while
             # the gather is in flight.
-            x_t = _sequence_shard_transposed(x_quantizer, x2d, local, args.sp_input) if needs_wgrad else None
+            x_t = x_quantizer.transposed_sequence_shard(x2d, local, args.sp_input) if needs_wgrad else None
             x_fp8 = pending.wait()
         else:
             x2d = x.reshape(-1, x.shape[-1])

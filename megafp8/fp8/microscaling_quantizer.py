@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from megafp8_kernels.counter_hash import mix32_int
-from megafp8_kernels.formats import ScaleFormat
 from megafp8_kernels.microscaling import nvfp4_encode_scale, quantize_microscaled
 from megafp8_kernels.microscaling_reference import HADAMARD_SIZE, random_hadamard_transform
 
-from .quantizer import Quantized, Quantizer
+from .quantizer import Quantized, Quantizer, TransposedShard
 
 if TYPE_CHECKING:
     from megafp8_kernels import QuantizedTensor
@@ -72,8 +71,7 @@ class MicroscalingQuantizer(Quantizer):
         return False  # no fused RMSNorm/SwiGLU prologue casts to these formats
 
     def transposed_sequence_shard(self, x2d: torch.Tensor, local: QuantizedTensor, comm: SequenceParallelComm,
-                                  key: int | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                                  key: int | None = None) -> TransposedShard:
         """This rank's columns of the full sequence's transposed copy, quantized from its own high-precision rows:
         (payload, block scales of the WHOLE copy (gathered here: 1/16 of the payload bytes or less), per-tensor
         decode scale or None). NVFP4: the transformed copy's amax is MAX-reduced first, so every rank casts with the
@@ -99,12 +97,9 @@ class MicroscalingQuantizer(Quantizer):
         q = quantize_microscaled(xt, self.format, self.layout, key=rank_key, scale_rounding=self.scale_rounding,
                                  encode_scale=encode_scale)[0]
         scales = comm.gather_cols_async(q.scale_inv).wait()
-        return q.data, scales, q.global_scale_inv
+        return TransposedShard(q.data, scales, q.global_scale_inv)
 
     def with_transposed_copy(self, full: QuantizedTensor) -> QuantizedTensor:
         raise NotImplementedError(f"{self.layout.name}: the transposed copy of a gathered tensor is quantized from each "
                                   "rank's high-precision shard (transposed_sequence_shard), not re-quantized")
 
-
-def is_microscaled(quantizer: Quantizer) -> bool:
-    return quantizer.layout.scale_format != ScaleFormat.FP32

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from .prologue import InputPrologue
 
 
+class TransposedShard(NamedTuple):
+    """This rank's columns of a sequence-sharded tensor's transposed copy: its payload, the scales of the whole copy,
+    and the per-tensor decode scale of a two-level format (NVFP4), else None."""
+
+    data_t: torch.Tensor
+    scale_inv_t: torch.Tensor
+    global_scale_inv_t: torch.Tensor | None = None
+
+
 class Quantized(NamedTuple):
     """A quantizer's result: the operand, the amax per scaling group (the tensor's amax under a given scale, for
     the next delayed update) and the cast's [saturated, flushed] counts (None unless stats were asked)."""
@@ -117,9 +126,10 @@ class Quantizer:
             scale = self.scale_from_amax(amax)
         return scale
 
-    def transposed_sequence_shard(self, x2d: torch.Tensor, local: QuantizedTensor,
-                                  comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's columns of the full sequence's transposed copy, with the scales of the WHOLE copy.
+    def transposed_sequence_shard(self, x2d: torch.Tensor, local: QuantizedTensor, comm: SequenceParallelComm,
+                                  key: int | None = None) -> TransposedShard:
+        """This rank's columns of the full sequence's transposed copy, with the scales of the WHOLE copy (and the
+        per-tensor decode scale of a two-level format, None here). `key` is for quantizers that round stochastically.
 
         The transposed copy's groups run along tokens, across every rank's rows (a row per channel for rowwise, 1x128
         token tiles for blockwise), so each rank takes the amax of its part of every group, the group MAX-reduces them
@@ -127,7 +137,7 @@ class Quantizer:
         with the full group's scale: one rounding, bit-identical to what a TP=1 run quantizes, and only the bytes need
         to be re-gathered for wgrad."""
         if self.layout == PER_TENSOR:  # one scale, agreed before the gather: the same bytes, moved
-            return local.data.t().contiguous(), local.scale_inv
+            return TransposedShard(local.data.t().contiguous(), local.scale_inv)
         if self.layout not in (PER_ROW, BLOCK_1X128):
             raise NotImplementedError(f"a sequence-sharded transposed copy in layout {self.layout.name}")
         rows, cols = x2d.shape
@@ -151,23 +161,22 @@ class Quantizer:
         # x * scale is rounded exactly as the quantizer rounds it; a given scale of one only casts (saturating).
         one = torch.ones((), device=xt.device)
         data_t = quantize(xt * scale[:, group], self.format.dtype, Granularity.TENSORWISE, scale=one).data
-        return data_t, torch.ones_like(scale) / scale  # an IEEE reciprocal, as the quantizer's
+        return TransposedShard(data_t, torch.ones_like(scale) / scale)  # an IEEE reciprocal, as the quantizer's
 
-    def transposed_fused_shard(self, local: QuantizedTensor,
-                               comm: SequenceParallelComm) -> tuple[torch.Tensor, torch.Tensor]:
+    def transposed_fused_shard(self, local: QuantizedTensor, comm: SequenceParallelComm) -> TransposedShard:
         """transposed_sequence_shard's result from a fused cast of the shard (see fuses_sequence_shard): the bytes are
         the kernel's own transposed copy; 1x128 scales are placed among the whole copy's and the group MAX-reduces
         them (each group is one rank's, the others hold 0: the same collective as the unfused path's amax)."""
         data_t, scale_t = local.col_major()
         if self.layout == PER_TENSOR:
-            return data_t, scale_t
+            return TransposedShard(data_t, scale_t)
         groups = scale_t.shape[1]
         full = scale_t.new_zeros(scale_t.shape[0], groups * comm.size)
         # A NaN scale (an inf/NaN amax) travels as +inf: a MAX with another rank's 0 may drop a NaN (gloo's std::max,
         # NCCL), never an inf; no finite amax gives an infinite 1/scale, so every inf is a NaN scale again after.
         full[:, comm.rank * groups:(comm.rank + 1) * groups] = scale_t.nan_to_num(nan=float("inf"))
         comm.sync_amax(full)
-        return data_t, full.masked_fill_(full == float("inf"), float("nan"))
+        return TransposedShard(data_t, full.masked_fill_(full == float("inf"), float("nan")))
 
     def with_transposed_copy(self, full: QuantizedTensor) -> QuantizedTensor:
         """A gathered tensor with its transposed copy: one scale, the same bytes moved; row/1x128 groups of the

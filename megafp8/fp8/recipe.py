@@ -235,10 +235,6 @@ class Fp8Recipe:
     def rule(self) -> ScalingRule:
         return SCALING_RULES[self.scaling]
 
-    def element_format(self, role: str):
-        """The ElementFormat of `role`'s GEMM operand (E2M1 under an FP4 recipe)."""
-        return self.quantizer(role).format
-
     def quantizer(self, role: str, gemm: str | None = None) -> Quantizer:
         """The quantizer of `role`'s operand in `gemm` (default: the GEMM its row-major copy feeds, ROLE_GEMMS)."""
         return _quantizer(self, role, gemm or ROLE_GEMMS[role][0])
