@@ -11,7 +11,8 @@ tests/golden/fp8_3d_fingerprint.json) and the first differing key is printed; ex
 
 Regenerating the golden (--write-golden) declares a numerics change: do it only on purpose, from the code whose
 bits are meant to become the new reference, and say so in the commit message. The golden is a CPU fingerprint
-(gloo, the kernels' torch twins; CUDA is hidden from the run), of the installed torch version.
+(gloo, the kernels' torch twins; CUDA is hidden from the run), of the installed torch version, the same on
+every x86-64 CPU (PORTABLE_CPU_NUMERICS pins the instruction-set-dependent code paths).
 tests/test_fp8_bits_frozen.py runs the blockwise recipe on every test run and the others as slow tests.
 """
 from __future__ import annotations
@@ -55,9 +56,16 @@ def launch_command(recipe: str, data_prefix: str, save: Path, log_dir: Path) -> 
             "--log-dir", str(log_dir)]
 
 
+# The same bits on every x86-64 CPU: ATen's vectorised kernels (sums, embedding backward) and MKL's GEMMs pick
+# code paths by instruction set, and an AVX-512 machine summed in another order than the AVX2 one that made the
+# golden. Pinned here to ATen's scalar kernels and MKL's conditional-reproducibility mode (SSE2 paths).
+PORTABLE_CPU_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+
+
 def _run_env() -> dict[str, str]:
     # CPU only: the golden holds the torch twins' bits, which a GPU's kernels do not reproduce.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MEGAFP8_KERNEL_BACKEND": "auto"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MEGAFP8_KERNEL_BACKEND": "auto",
+            **PORTABLE_CPU_NUMERICS}
 
 
 def check_imports_come_from_this_checkout() -> None:
