@@ -1,6 +1,7 @@
 """--compile through the training entry (torch.compile per transformer layer, inductor): the losses stay within FP8's
 bounds of the eager run's, a resumed compiled run is bit-exact with the straight compiled run, and dynamo compiles a
-fixed number of graphs (none after the first iterations); --enable-cuda-graph is refused on CPU with one line.
+fixed number of graphs (none after the first iterations), at TP/PP/DP + SP, with CP, recompute and a zero-bubble
+schedule; --enable-cuda-graph is refused on CPU with one line.
 
 Inductor fuses the layer's fp32 math (norms, RoPE, SwiGLU, the casts' scaling) in another order than eager, so the
 bits differ from eager by fp32 round-off that FP8 rounding can amplify: the bound is relative 2e-3 on the loss
@@ -97,6 +98,22 @@ def test_compiled_3d_fp8_run_matches_eager(recipe, data_prefix, tmp_path):
     out = _pretrain(8, *run, "--train-iters", "6", "--compile", "--log-dir", str(tmp_path / "compiled"))
     graphs, _ = _compile_counts(out)
     assert graphs <= MAX_GRAPHS_3D and _compile_counts(out) == short
+    _assert_within_fp8_bounds(_losses(tmp_path / "compiled"), _losses(tmp_path / "eager"))
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--context-parallel-size", "2", "--recompute-granularity", "selective"], id="cp2-selective-recompute"),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--recompute-granularity",
+                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], id="zbv-full-recompute"),
+])
+def test_compiled_cp_recompute_and_zero_bubble_runs_match_eager(layout, data_prefix, tmp_path):
+    """Two processes: context parallelism (ring attention between graphs) with selective recompute, and a
+    zero-bubble V schedule (its FP8 linears run eagerly between graphs: their backward queues the W pass's
+    wgrads on the host) with whole layers recomputed; the FP8 delayed recipe, losses within FP8's bounds."""
+    run = [*MODEL, "--fp8-format", "hybrid", *DELAYED, *layout, "--train-iters", "4", "--data-path", data_prefix]
+    _pretrain(2, *run, "--log-dir", str(tmp_path / "eager"))
+    graphs, _ = _compile_counts(_pretrain(2, *run, "--compile", "--log-dir", str(tmp_path / "compiled")))
+    assert 1 <= graphs <= MAX_GRAPHS_3D
     _assert_within_fp8_bounds(_losses(tmp_path / "compiled"), _losses(tmp_path / "eager"))
 
 

@@ -415,4 +415,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError("a bias inside a reduce-scattered GEMM would be summed once per rank: add it after")
     args = Fp8LinearArgs(recipe, layer, sp_input, sp_output, tp_input, observe, wgrad_column_scale, prologue)
     params = prologue.params() if prologue is not None else ()
+    if getattr(layer, "wgrad_deferral", None) is not None:  # a zero-bubble stage's: the W pass's host-side queue
+        return _apply_outside_compiled_graphs(x, weight, bias, weight_fp8, args, *params)
     return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, args, *params)
+
+
+@torch.compiler.disable
+def _apply_outside_compiled_graphs(*inputs):
+    """The op run eagerly between graphs under --compile: its backward queues Python closures for the W pass
+    (deferred_wgrad.py), which a traced backward would bake in or drop."""
+    return _Fp8LinearFunction.apply(*inputs)

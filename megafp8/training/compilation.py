@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from megafp8.model.compile import CUDA_GRAPH_SCOPES, compile_layers
+from megafp8.parallel.pipeline_layout import ZERO_BUBBLE_SCHEDULES
 
 
 def add_compile_flags(g: argparse._ArgumentGroup) -> None:
@@ -43,9 +44,12 @@ def compile_errors(args: argparse.Namespace) -> list[str]:
 
 def apply_compile(args: argparse.Namespace, chunks) -> int:
     """Compile this rank's layers as the flags say (nothing without --compile/--enable-cuda-graph); returns how many
-    modules were compiled. fullgraph where the layer holds no collective (TP = CP = 1): a graph break is then a bug."""
+    modules were compiled. fullgraph where the FP8 linear op traces (TP = CP = 1, no zero-bubble schedule): a graph
+    break is then a bug. Otherwise the op runs eagerly between graphs: its collectives, or under a zero-bubble
+    schedule the host-side queue of deferred weight gradients it feeds (megafp8.fp8.deferred_wgrad)."""
     if not (args.compile or args.enable_cuda_graph):
         return 0
     collectives = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
+    deferred_wgrad = args.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     return compile_layers(chunks, backend="inductor", mode="reduce-overhead" if args.enable_cuda_graph else None,
-                          scope=args.cuda_graph_scope or "full", fullgraph=not collectives)
+                          scope=args.cuda_graph_scope or "full", fullgraph=not (collectives or deferred_wgrad))
