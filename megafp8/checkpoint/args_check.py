@@ -17,7 +17,7 @@ from megafp8.checkpoint.errors import CheckpointError
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "vocab_size", "untie_embeddings_and_output_weights",
               # zero-centred norm gains are stored as w, plain ones as 1 + w: the same bytes mean another model
-              "layernorm_zero_centered_gamma")
+              "layernorm_zero_centered_gamma", "qk_layernorm")
 MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_base", "use_rope_scaling",
              "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
              "rope_scaling_original_max_position_embeddings", "activation",

@@ -32,8 +32,8 @@ from megafp8.checkpoint.safe_dcp import read_metadata
 from megafp8.checkpoint.save_load import read_entries, save_checkpoint
 from megafp8.checkpoint.sharded_tensor import ShardedChunks
 from megafp8.model.config import ModelConfig
-from megafp8.model.hf_mapping import (_LAYER_RENAMES, NORM_WEIGHTS, fuse_qkv, hf_llama_config_kwargs, hf_norm_gain,
-                                      norm_weight_from_hf, split_qkv)
+from megafp8.model.hf_mapping import (NORM_WEIGHTS, fuse_qkv, hf_architecture, hf_llama_config_kwargs, hf_norm_gain,
+                                      layer_renames, norm_weight_from_hf, split_qkv)
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.megatron_flags import LLAMA_FLAGS
@@ -62,7 +62,8 @@ def _hf_layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (config.num_query_groups * d, h),
             p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
             p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn)}
+            p + "mlp.down_proj.weight": (h, ffn),
+            **({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)} if config.qk_layernorm else {})}
 
 
 def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -83,7 +84,7 @@ def _megafp8_sources(config: ModelConfig) -> dict[str, list[str]]:
         sources["output_layer.weight"] = ["lm_head.weight"]
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _LAYER_RENAMES.items():
+        for src, dst in layer_renames(config).items():
             sources[ours + src] = [theirs + dst]
         sources[ours + "self_attention.linear_qkv.weight"] = [theirs + f"self_attn.{x}_proj.weight" for x in "qkv"]
         sources[ours + "mlp.linear_fc1.weight"] = [theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"]
@@ -98,7 +99,7 @@ def training_args(config: ModelConfig) -> dict[str, Any]:
             "norm_epsilon": config.norm_eps, "rotary_base": config.rope_theta, "activation": "swiglu",
             "untie_embeddings_and_output_weights": not config.tie_embeddings, "init_method_std": config.init_method_std,
             # always saved: a run resumed with --apply-layernorm-1p from plain gains would scale by 1 + g
-            "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma,
+            "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma, "qk_layernorm": config.qk_layernorm,
             **({"kv_channels": config.kv_channels} if config.kv_channels is not None else {}),
             **rope_scaling_args(config)}
 
@@ -254,6 +255,7 @@ def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> 
                        rope_theta=args["rotary_base"], tie_embeddings=not args["untie_embeddings_and_output_weights"],
                        init_method_std=args.get("init_method_std", 0.02), kv_channels=args.get("kv_channels"),
                        layernorm_zero_centered_gamma=bool(args.get("layernorm_zero_centered_gamma", False)),
+                       qk_layernorm=bool(args.get("qk_layernorm", False)),
                        **_rope_scaling_from_manifest(args, path))
 
 
@@ -299,7 +301,7 @@ def _hf_order(config: ModelConfig) -> list[str]:
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        names += [p + dst for dst in _LAYER_RENAMES.values()]
+        names += [p + dst for dst in layer_renames(config).values()]
         names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
     return names + ["model.norm.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
 
@@ -315,7 +317,7 @@ def _hf_tensors(reader: _CheckpointReader, config: ModelConfig) -> Iterator[tupl
         q, k, v = split_qkv(one(ours + "self_attention.linear_qkv.weight"), config)
         yield from ((theirs + f"self_attn.{x}_proj.weight", t) for x, t in zip("qkv", (q, k, v)))
         del q, k, v
-        for src, dst in _LAYER_RENAMES.items():
+        for src, dst in layer_renames(config).items():
             yield theirs + dst, hf_norm_gain(one(ours + src), config) if src in NORM_WEIGHTS else one(ours + src)
         gate, up = one(ours + "mlp.linear_fc1.weight").chunk(2)
         yield theirs + "mlp.gate_proj.weight", gate
@@ -344,7 +346,7 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
                        "num_layers", "the checkpoint holds")
     dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" or save_format in MICROSCALED_EXPORTS else save_dtype]
     expected = hf_shapes(config)
-    hf_config = {**hf_llama_config_kwargs(config), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    hf_config = {**hf_llama_config_kwargs(config), **hf_architecture(config),
                  "torch_dtype": str(dtype).removeprefix("torch.")}
     fp8, microscaled = save_format == "hf-fp8", MICROSCALED_EXPORTS.get(save_format)
     low_precision = fp8 or microscaled is not None

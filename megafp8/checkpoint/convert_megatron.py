@@ -43,6 +43,13 @@ _LAYER_MAP = {
     "mlp.linear_fc1.weight": (("mlp.linear_fc1.weight",), "gate_up"),
     "mlp.linear_fc2.weight": (("mlp.linear_fc2.weight",), 1),
 }
+_QK_LAYERNORM_MAP = {f"self_attention.{x}_layernorm.weight": ((f"self_attention.{x}_layernorm.weight",), None)
+                     for x in "qk"}  # --qk-layernorm: [d] gains, the same on every TP rank
+
+
+def layer_map(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], int | str | None]]:
+    """``_LAYER_MAP`` for the layers of ``config`` (with the query/key norms under --qk-layernorm)."""
+    return {**_LAYER_MAP, **(_QK_LAYERNORM_MAP if config.qk_layernorm else {})}
 
 
 _TRACKER = "latest_checkpointed_iteration.txt"
@@ -120,7 +127,8 @@ def _config(flags: dict[str, Any], source: str, *, global_keys: bool = False) ->
                        norm_eps=get("norm_epsilon", 1e-5), rope_theta=get("rotary_base", 10000),
                        tie_embeddings=not get("untie_embeddings_and_output_weights", False),
                        init_method_std=get("init_method_std", 0.02), kv_channels=_kv_channels(flags),
-                       layernorm_zero_centered_gamma=bool(get("apply_layernorm_1p", False)), **_rope_scaling(flags))
+                       layernorm_zero_centered_gamma=bool(get("apply_layernorm_1p", False)),
+                       qk_layernorm=bool(get("qk_layernorm", False)), **_rope_scaling(flags))
 
 
 def _kv_channels(flags: dict[str, Any]) -> int | None:
@@ -197,14 +205,14 @@ def megatron_to_megafp8(load_dir: str | Path, save_dir: str | Path, *, iteration
     tensors["embedding.weight"] = ((v, h), vocab_rows(0, "embedding.word_embeddings.weight"))
     for g in range(config.num_layers):
         p, local = divmod(g, per_stage)
-        for ours, (theirs, dim) in _LAYER_MAP.items():
+        for ours, (theirs, dim) in layer_map(config).items():
             names = tuple(f"decoder.layers.{local}.{n}" for n in theirs)
             shape = tuple(_global_shape(config, ours))
             tensors[f"layers.{g}.{ours}"] = (shape, lambda p=p, names=names, dim=dim: assemble(p, names, dim))
     tensors["final_layernorm.weight"] = ((h,), lambda: assemble(pp - 1, ("decoder.final_layernorm.weight",), None))
     if not config.tie_embeddings:
         tensors["output_layer.weight"] = ((v, h), vocab_rows(pp - 1, "output_layer.weight"))
-    _check_no_unknown(states, ranks)
+    _check_no_unknown(states, ranks, config)
     _write(path, Path(save_dir), config, tensors, progress, shapes_known=False)
     return config
 
@@ -235,15 +243,16 @@ def _write(path: Path, save_dir: Path, config: ModelConfig, tensors: _Plan, prog
 def _global_shape(config: ModelConfig, suffix: str) -> list[int]:
     h, d = config.hidden_size, config.head_dim
     return {"input_layernorm.weight": [h], "pre_mlp_layernorm.weight": [h],
+            "self_attention.q_layernorm.weight": [d], "self_attention.k_layernorm.weight": [d],
             "self_attention.linear_qkv.weight": [(config.num_attention_heads + 2 * config.num_query_groups) * d, h],
             "self_attention.linear_proj.weight": [h, config.num_attention_heads * d],
             "mlp.linear_fc1.weight": [2 * config.ffn_hidden_size, h],
             "mlp.linear_fc2.weight": [h, config.ffn_hidden_size]}[suffix]
 
 
-def _check_no_unknown(states: dict, ranks: dict) -> None:
+def _check_no_unknown(states: dict, ranks: dict, config: ModelConfig) -> None:
     known = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
-    suffixes = {n for names, _ in _LAYER_MAP.values() for n in names}
+    suffixes = {n for names, _ in layer_map(config).values() for n in names}
     for key, state in states.items():
         unknown = [n for n in state["model"] if not n.endswith("_extra_state") and n not in known
                    and not ((m := _LAYER.match(n)) and m[2] in suffixes)]
@@ -293,7 +302,7 @@ def _dist_to_megafp8(checkpoint: DistCheckpoint, save_dir: Path, target_tp: int,
 
     tensors: _Plan = {"embedding.weight": ((v, h), vocab_rows("embedding.word_embeddings.weight"))}
     for g in range(n):
-        for ours, (theirs, _) in _LAYER_MAP.items():
+        for ours, (theirs, _) in layer_map(config).items():
             shape = tuple(_global_shape(config, ours))
             build = layer_weight(g, theirs, shape)
             if build is None and ours == "mlp.linear_fc1.weight":  # gate and up saved apart (singleton shards)

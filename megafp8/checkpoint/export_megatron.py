@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from megafp8.checkpoint.convert_hf import _CheckpointReader, _config_from_manifest, check_target_layout
-from megafp8.checkpoint.convert_megatron import _LAYER_MAP, _TRACKER
+from megafp8.checkpoint.convert_megatron import _TRACKER, layer_map
 from megafp8.checkpoint.hf_files import ConversionError, atomic_output_dir
 from megafp8.model.config import ModelConfig
 
@@ -62,7 +62,7 @@ def megatron_args(config: ModelConfig, saved: dict[str, Any], *, tp: int, pp: in
         use_rope_scaling=config.use_rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
         normalization="RMSNorm", norm_epsilon=config.norm_eps, apply_layernorm_1p=config.layernorm_zero_centered_gamma, swiglu=True,
         squared_relu=False, untie_embeddings_and_output_weights=not config.tie_embeddings, add_bias_linear=False,
-        add_qkv_bias=False, apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
+        add_qkv_bias=False, qk_layernorm=config.qk_layernorm, apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
         init_method_std=config.init_method_std, num_experts=None, spec=None, transformer_impl="local",
         vocab_size=config.vocab_size, padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=divisible_by,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
@@ -141,7 +141,7 @@ def megafp8_to_megatron(load_dir: str | Path, save_dir: str | Path, *, target_tp
         if p == 0:
             plan["embedding.word_embeddings.weight"] = ("embedding.weight", 0)
         for local in range(per_stage):
-            for ours, (theirs, how) in _LAYER_MAP.items():
+            for ours, (theirs, how) in layer_map(config).items():
                 plan[f"decoder.layers.{local}.{theirs[0]}"] = (f"layers.{p * per_stage + local}.{ours}", how)
         if p == pp - 1:
             plan["decoder.final_layernorm.weight"] = ("final_layernorm.weight", None)

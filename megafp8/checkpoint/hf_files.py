@@ -1,4 +1,4 @@
-"""Hugging Face Llama directories on disk: config.json validation, a lazy reader of (sharded) safetensors,
+"""Hugging Face Llama (and Qwen3) directories on disk: config.json validation, a lazy reader of (sharded) safetensors,
 a streaming writer that shards past a size, and the temporary-directory-then-rename commit conversions use."""
 from __future__ import annotations
 
@@ -69,15 +69,24 @@ def _invalid_sizes(config: Mapping[str, Any]) -> list[str]:
 
 
 def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelConfig:
-    """The ModelConfig of a Llama config.json; any architecture megafp8 cannot reproduce is a ConversionError."""
-    if config.get("model_type") != "llama":
+    """The ModelConfig of a Llama (or dense Qwen3: --qk-layernorm) config.json; any architecture megafp8 cannot
+    reproduce is a ConversionError."""
+    if config.get("model_type") not in ("llama", "qwen3"):
         raise ConversionError(f"{source}: model_type {config.get('model_type')!r} is not supported "
-                              "(megafp8 converts Llama checkpoints: model_type 'llama')")
+                              "(megafp8 converts Llama checkpoints, model_type 'llama', and dense Qwen3 ones, 'qwen3')")
     invalid = _invalid_sizes(config)
     if invalid:
         raise ConversionError(f"{source}: {'; '.join(invalid)}")
-    problems = [f"{key}={config[key]!r}" for key, allowed in _UNSUPPORTED.items()
+    unsupported = dict(_UNSUPPORTED)
+    if config["model_type"] == "qwen3":  # Qwen3 reads sliding_window only under use_sliding_window
+        unsupported.update(use_sliding_window=(False, None))
+        if not config.get("use_sliding_window"):
+            del unsupported["sliding_window"]
+    problems = [f"{key}={config[key]!r}" for key, allowed in unsupported.items()
                 if key in config and config[key] not in allowed]
+    layer_types = config.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        problems.append(f"layer_types={sorted(set(layer_types))!r}")
     heads = config.get("num_attention_heads")
     fields = SimpleNamespace(**{**_LLAMA_DEFAULTS, "num_key_value_heads": heads, **config})
     try:

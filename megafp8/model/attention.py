@@ -7,6 +7,7 @@ This is Megatron-Core's layout; because a group's block is contiguous, a plain d
 gives each rank whole groups (G/TP of them) with their query heads, no reshuffling needed.
 ``hf_mapping`` converts it to and from HF's separate q_proj / k_proj / v_proj. The head dim d is
 ``config.head_dim`` (--kv-channels), so ``linear_proj`` maps ``H * d`` back to ``hidden``, whatever hidden / H is.
+With --qk-layernorm, ``q_layernorm`` / ``k_layernorm`` normalize each head of q and k over its d channels before RoPE.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import mask_generator
+from megafp8.model.norm import RMSNorm
 from megafp8.model.recompute import recompute
 from megafp8.model.rotary import apply_rotary
 from megafp8.parallel.context_parallel import context_parallel_attention
@@ -48,6 +50,13 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              parallel_state, init_method=init_method_normal(config.output_init_std),
                                              params_dtype=config.params_dtype, perform_initialization=False)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            # Each TP rank normalizes other heads with the same gains, so their grads are summed over TP as a
+            # sequence-parallel norm's are (the tag Megatron's finalize step also reads for q/k_layernorm).
+            self.q_layernorm, self.k_layernorm = (
+                RMSNorm(self.head_dim, config.norm_eps, sequence_parallel=True, params_dtype=config.params_dtype,
+                        zero_centered_gamma=config.layernorm_zero_centered_gamma) for _ in range(2))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 input_norm: RMSNormPrologue | None = None, rng: ModelParallelRNG | None = None) -> torch.Tensor:
@@ -71,9 +80,11 @@ class SelfAttention(nn.Module):
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, rng: ModelParallelRNG | None = None) -> torch.Tensor:
-        """Rotary + causal attention (+ dropout on its probabilities): ``[s, b, heads, d]`` q/k/v to
+        """(QK norm +) rotary + causal attention (+ dropout on its probabilities): ``[s, b, heads, d]`` q/k/v to
         ``[s, b, H/TP * d]``."""
         s, b = q.shape[:2]
+        if self.q_layernorm is not None:  # inside the recomputed region: selective recompute saves only q, k, v
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         # enable_gqa maps query head i to KV head i // r, matching the group-major head order above.

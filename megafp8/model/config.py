@@ -64,6 +64,9 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     # --apply-layernorm-1p: every RMSNorm gain is stored zero-centred (initialised to 0) and applied as 1 + w.
     layernorm_zero_centered_gamma: bool = False
+    # --qk-layernorm: an RMSNorm over each query and each key head's d channels before RoPE (Qwen3's q_norm / k_norm,
+    # Megatron's q_layernorm / k_layernorm), one gain vector [d] per projection shared by its heads.
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:

@@ -1,4 +1,5 @@
-"""megafp8 (TP=1) state dict <-> HF ``LlamaForCausalLM`` state dict, and the matching LlamaConfig fields.
+"""megafp8 (TP=1) state dict <-> HF ``LlamaForCausalLM`` state dict (``Qwen3ForCausalLM`` with --qk-layernorm), and
+the matching config fields.
 
 ====================================================  ====================================================
 megafp8                                               HF Llama
@@ -12,6 +13,8 @@ layers.{i}.mlp.linear_fc1.weight  [2*ffn, h]          cat([mlp.gate_proj.weight,
 layers.{i}.mlp.linear_fc2.weight                      model.layers.{i}.mlp.down_proj.weight
 final_layernorm.weight                                model.norm.weight
 output_layer.weight  [V_padded, h] (absent if tied)   lm_head.weight [V, h] (absent if tied)
+layers.{i}.self_attention.q_layernorm.weight [d]      model.layers.{i}.self_attn.q_norm.weight (--qk-layernorm:
+layers.{i}.self_attention.k_layernorm.weight [d]      model.layers.{i}.self_attn.k_norm.weight  Qwen3)
 ====================================================  ====================================================
 
 ``linear_qkv.weight`` viewed as ``[G, r + 2, d, h]`` (G KV heads, r = heads / G, head dim d): entry
@@ -59,7 +62,22 @@ _LAYER_RENAMES = {  # megafp8 suffix -> HF suffix, for the one-to-one tensors of
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-NORM_WEIGHTS = ("input_layernorm.weight", "pre_mlp_layernorm.weight")  # a layer's RMSNorm gains
+_QK_LAYERNORM_RENAMES = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+                         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
+NORM_WEIGHTS = ("input_layernorm.weight", "pre_mlp_layernorm.weight", *_QK_LAYERNORM_RENAMES)  # a layer's RMSNorm gains
+
+
+def layer_renames(config: ModelConfig) -> dict[str, str]:
+    """megafp8 suffix -> HF suffix for the one-to-one tensors of a layer of ``config``."""
+    return {**_LAYER_RENAMES, **(_QK_LAYERNORM_RENAMES if config.qk_layernorm else {})}
+
+
+def hf_architecture(config: ModelConfig) -> dict[str, Any]:
+    """config.json's model_type and architectures: Llama, or Qwen3 (Llama's block with q_norm / k_norm) when
+    --qk-layernorm."""
+    if config.qk_layernorm:
+        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -70,7 +88,7 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: ModelConfig
         hf["lm_head.weight"] = state_dict["output_layer.weight"][: config.vocab_size].clone()
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _LAYER_RENAMES.items():
+        for src, dst in layer_renames(config).items():
             hf[theirs + dst] = state_dict[ours + src]
             if src in NORM_WEIGHTS:
                 hf[theirs + dst] = hf_norm_gain(hf[theirs + dst], config)
@@ -92,7 +110,7 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], config: ModelC
         sd["output_layer.weight"] = resize_vocab_dim(hf_state_dict["lm_head.weight"], padded)
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _LAYER_RENAMES.items():
+        for src, dst in layer_renames(config).items():
             sd[ours + src] = hf_state_dict[theirs + dst]
             if src in NORM_WEIGHTS:
                 sd[ours + src] = norm_weight_from_hf(sd[ours + src], config)
@@ -105,8 +123,10 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], config: ModelC
 
 
 def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.LlamaConfig`` describing the same architecture."""
-    return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+    """Keyword arguments for ``transformers.LlamaConfig`` (or ``Qwen3Config``, hf_architecture) describing the same
+    architecture."""
+    qwen3 = dict(use_sliding_window=False, sliding_window=None) if config.qk_layernorm else {}
+    return dict(**qwen3, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                 intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
                 num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
                 head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
@@ -174,7 +194,7 @@ DEFAULT_HF_SEQ_LENGTH = 4096
 
 
 def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overrides: Any) -> ModelConfig:
-    """The ModelConfig of an HF ``LlamaConfig`` (attribute access, so a loaded config.json works too). seq_length
+    """The ModelConfig of an HF ``LlamaConfig`` or ``Qwen3Config`` (attribute access, so a loaded config.json works too). seq_length
     defaults to min(max_position_embeddings, DEFAULT_HF_SEQ_LENGTH); max_position_embeddings stays the model's."""
     problems = hf_rope_problems(hf_config)
     if problems:
@@ -192,7 +212,8 @@ def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overri
                   max_position_embeddings=hf_config.max_position_embeddings,
                   seq_length=seq_length or min(hf_config.max_position_embeddings, DEFAULT_HF_SEQ_LENGTH), norm_eps=hf_config.rms_norm_eps,
                   rope_theta=theta, tie_embeddings=hf_config.tie_word_embeddings,
-                  init_method_std=hf_config.initializer_range, kv_channels=_kv_channels(hf_config), **scaling)
+                  init_method_std=hf_config.initializer_range, kv_channels=_kv_channels(hf_config),
+                  qk_layernorm=getattr(hf_config, "model_type", "llama") == "qwen3", **scaling)
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -35,7 +35,6 @@ REFUSED_FLAGS = {
     "--squared-relu": "megafp8's MLP is SwiGLU (--swiglu)",
     "--openai-gelu": "megafp8's MLP is SwiGLU (--swiglu)",
     "--add-qkv-bias": "megafp8's QKV projection has no bias (Qwen2-style biases are not implemented)",
-    "--qk-layernorm": "megafp8 has no query/key norm",
     "--rampup-batch-size": "batch-size ramp-up is not supported: the global batch is fixed for the run",
     "--step-batch-size-schedule": "batch-size schedules are not supported: the global batch is fixed for the run",
 }
@@ -108,7 +107,8 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
             "them, megafp8's layers have none", dest="add_bias_linear", off=True)
     _switch(g, "--add-qkv-bias", "refused: megafp8's QKV projection has no bias (Qwen2-style biases are not "
             "implemented)")
-    _switch(g, "--qk-layernorm", "refused: no norm on queries and keys")
+    _switch(g, "--qk-layernorm", "an RMSNorm on each query and key head before RoPE (Qwen3's q_norm / k_norm; HF "
+            "conversion reads and writes Qwen3 checkpoints)")
     _switch(g, "--group-query-attention", "use --num-query-groups (Megatron-LM reads it only with this switch; "
             "then its default is 1)")
     g.add_argument("--kv-channels", type=int, default=None,

@@ -25,7 +25,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, kv_channels=args.kv_channels,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma, qk_layernorm=args.qk_layernorm,
         # On CPU a bf16 matmul is ~50x slower than fp32 (DESIGN.md): --bf16 is honoured on GPU only.
         params_dtype=torch.bfloat16 if args.bf16 and torch.cuda.is_available() else torch.float32)
 
