@@ -34,6 +34,7 @@ from torch import nn
 from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim import fused_adamw, fused_adamw_coded
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
+from megafp8.optim.loss_scaler import LossScaler
 from megafp8.optim.optimizer_checkpoint import load_optimizer_state_dicts, optimizer_state_dict
 from megafp8.optim.precision_follower import PrecisionFollower
 from megafp8.optim.state_codec import GROUP, PlainCodec, StateCodec, make_state_codec
@@ -128,6 +129,7 @@ class DistributedOptimizer:
         # Counters on the device: whether a step counts is known there only (the finite flag).
         self._step = torch.zeros((), dtype=torch.int64, device=device)
         self.pending_stats: GradStats | None = None  # prepare()'s, until apply() consumes them
+        self.loss_scaler: LossScaler | None = None  # --fp16: the grads hold loss scale x the gradient
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._betas = torch.tensor(betas, dtype=torch.float64, device=device)  # once, not a blocking copy per step
         self._fp8_publication: Fp8Publication | None = None
@@ -295,10 +297,15 @@ class DistributedOptimizer:
         self.ddp.finish_grad_sync()
         self.ddp.finish_param_sync()  # no gather may still be writing into the parameters
         norm = self.grad_norm_squared().sqrt()
+        unscale = self.loss_scaler.inverse() if self.loss_scaler is not None else None
+        if unscale is not None:  # --fp16: the norm, the clip and the update see the unscaled gradient
+            norm = norm * unscale.double()
         clip = None
         if self.clip_grad > 0:  # the python rule clip_grad / (norm + 1e-6), in fp64 as before, then fp32
             shifted = norm + 1e-6
             clip = torch.where(shifted > self.clip_grad, torch.full_like(shifted, self.clip_grad) / shifted, 1.0).float()
+        if unscale is not None:  # the update multiplies each grad by clip: 1 / scale folded in (exact for 2^k)
+            clip = unscale if clip is None else clip * unscale
         self.pending_stats = GradStats(norm, torch.isfinite(norm), clip)
         return self.pending_stats
 
@@ -344,6 +351,8 @@ class DistributedOptimizer:
             self._rescale_fp16_master(frag_amax[:-1], finite)
         self._step += finite
         self._skipped += ~finite
+        if self.loss_scaler is not None:  # Megatron's order: the scale moves after the (possibly skipped) update
+            self.loss_scaler.update(~finite)
         # Always published (a skipped step publishes the same weights): FP8 weights are cast again under the
         # scales this step's update() set, as a run resumed from this step's checkpoint casts them.
         self.publish()

@@ -185,6 +185,7 @@ class Pipeline:
     # --calculate-per-token-loss: the gradient is of the whole global batch's token mean (the DP x CP ranks'
     # summed token losses over their summed loss tokens), not the DP x CP mean of each rank's token mean.
     calculate_per_token_loss = False
+    loss_scale: torch.Tensor | None = None  # --fp16: backward runs on loss x this (megafp8.optim.loss_scaler)
 
     def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, micro_batch_size: int,
                  num_microbatches: int, fp8_recipe: Fp8Recipe | None = None, first_last_layers_bf16: int = 0,
@@ -314,9 +315,13 @@ class Pipeline:
                              f"= {list(expected)}")
         mask = torch.ones(expected, device=self.device) if loss_mask is None else loss_mask.to(self.device, torch.float32)
         self._step_tokens = loss_normalizer(mask, self._loss_token_group())  # the CP (or DP x CP) ranks' tokens too
+        if self.loss_scale is not None:  # each micro-batch's loss x scale; exact for a power of two (dynamic scales)
+            self._step_tokens = self._step_tokens / self.loss_scale
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         loss = self._run_plain(input_ids, labels, mask) if self.schedule is None else \
             self._run_schedule(input_ids, labels, mask)
+        if self.loss_scale is not None:
+            loss = loss / self.loss_scale
         if self.reduce_replicated_grads:
             allreduce_sequence_parallel_grads(self.modules, self.parallel_state)
             self._allreduce_tied_embedding_grads()

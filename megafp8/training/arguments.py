@@ -418,6 +418,16 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
+    if args.fp16 and args.bf16:
+        errors.append("--fp16 and --bf16 are exclusive")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        errors.append(f"--loss-scale must be positive, got {args.loss_scale}")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        errors.append(f"--min-loss-scale ({args.min_loss_scale}) must be positive and at most --initial-loss-scale "
+                      f"({args.initial_loss_scale})")
+    for name in ("loss_scale_window", "hysteresis"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.fp8_param_gather and args.fp8_format is None:
         errors.append("--fp8-param-gather needs --fp8-format")
     if args.fp8_param_gather and not args.use_distributed_optimizer:

@@ -3,7 +3,8 @@
 
 A checkpoint holds everything a bit-exact resume needs: the model chunks (with FP8 amax histories and
 scales), the ZeRO optimizer's shards (master weights, moments, codec scales), the saturation guard's
-switches, every RNG state, the data position (consumed samples) and the progress counters, and the
+switches, every RNG state, the data position (consumed samples) and the progress counters, --fp16's loss scale
+(with the optimizer: --no-load-optim and --finetune start from --initial-loss-scale, as Megatron-LM), and the
 flags. Saved at one TP/PP/DP layout it loads at any other (see docs/checkpoints.md).
 """
 from __future__ import annotations
@@ -42,6 +43,22 @@ class Checkpointer:
         return {name: param_flat_range_state(values, start, param, self.ps.coords.tp, self.ps.tp_size, vocab_size)
                 for name, (param, start, values) in released.items()}
 
+    def _loss_scaler_state(self) -> dict:
+        scaler = self.optimizer.loss_scaler
+        if scaler is None:
+            return {}
+        return {"loss_scaler": {name: value.item() for name, value in scaler.state_dict().items()}}
+
+    def _load_loss_scaler_state(self, saved: dict | None) -> None:
+        """The saved scale and trackers (a checkpoint without them, e.g. from a bf16 run: the initial scale)."""
+        scaler = self.optimizer.loss_scaler
+        if scaler is None or saved is None:
+            return
+        state = scaler.state_dict()
+        for name in state.keys() & saved.keys():  # a constant scaler saved the scale only
+            state[name] = torch.tensor(saved[name], dtype=state[name].dtype)
+        scaler.load_state_dict(state)
+
     def save(self, trainer) -> None:
         """Write iteration `trainer.progress.iteration` to --save (atomic; --keep-last prunes older ones)."""
         progress = trainer.progress
@@ -51,7 +68,7 @@ class Checkpointer:
         path = save_checkpoint(
             self.args.save, progress.iteration, model=self.chunks, parallel_state=self.ps,
             optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
-            extra={"progress": asdict(progress)}, args=self.args, consumed_samples=progress.consumed_samples,
+            extra={"progress": asdict(progress), **self._loss_scaler_state()}, args=self.args, consumed_samples=progress.consumed_samples,
             rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, keep_last=self.args.keep_last,
             model_overrides=self._overrides(self._released_weights()))
         if trainer.is_logging_rank:
@@ -75,6 +92,7 @@ class Checkpointer:
             return None
         if loaded.optimizer_loaded:
             apply()  # publishes the loaded master weights into the model
+            self._load_loss_scaler_state(loaded.extra.get("loss_scaler"))
         else:  # the loaded weights become the master weights
             self.optimizer.reload_master_weights({name: values for name, (_, _, values) in released.items()})
         if self.ps.rank == 0:

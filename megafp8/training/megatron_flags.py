@@ -30,8 +30,6 @@ MEGAFP8_ONLY = frozenset({
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).
 REFUSED_FLAGS = {
-    "--fp16": "fp16 training needs a dynamic loss scaler, which megafp8 does not have: use --bf16 (and --fp8-format "
-              "for FP8)",
     "--squared-relu": "megafp8's MLP is SwiGLU (--swiglu)",
     "--openai-gelu": "megafp8's MLP is SwiGLU (--swiglu)",
     "--add-qkv-bias": "megafp8's QKV projection has no bias (Qwen2-style biases are not implemented)",
@@ -122,8 +120,18 @@ def add_model_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def add_precision_flags(g: argparse._ArgumentGroup) -> None:
-    _switch(g, "--fp16", "refused: fp16 training needs a dynamic loss scaler megafp8 does not have; use --bf16 "
-            "(with --fp8-format for FP8)")
+    _switch(g, "--fp16", "fp16 parameters and compute (GPU; on CPU they stay fp32, the loss scaling runs) with "
+            "Megatron-LM's loss scaling: dynamic, or --loss-scale's constant; non-finite steps are skipped")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a constant loss scale instead of the dynamic one")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="--fp16: the dynamic loss scale's start (Megatron-LM's default 2^32)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: the dynamic scale's floor")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="--fp16: clean steps in a row that double the dynamic scale")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflowing steps the dynamic scale tolerates before it halves (restored when it "
+                        "grows)")
 
 
 def add_schedule_flags(g: argparse._ArgumentGroup) -> None:

@@ -26,8 +26,14 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         recompute_num_layers=args.recompute_num_layers, kv_channels=args.kv_channels,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma, qk_layernorm=args.qk_layernorm,
-        # On CPU a bf16 matmul is ~50x slower than fp32 (DESIGN.md): --bf16 is honoured on GPU only.
-        params_dtype=torch.bfloat16 if args.bf16 and torch.cuda.is_available() else torch.float32)
+        # On CPU a bf16 (or fp16) matmul is ~50x slower than fp32 (DESIGN.md): --bf16 / --fp16 are honoured on GPU only.
+        params_dtype=_params_dtype(args))
+
+
+def _params_dtype(args: argparse.Namespace) -> torch.dtype:
+    if not torch.cuda.is_available():
+        return torch.float32
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def parallel_state_from_args(args: argparse.Namespace) -> ParallelState:

@@ -15,6 +15,7 @@ from megafp8.fp8 import Fp8Recipe
 from megafp8.model import ModelConfig
 from megafp8.model.compile import compile_report
 from megafp8.optim import DistributedOptimizer
+from megafp8.optim.loss_scaler import loss_scaler_from_args
 from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline import build_pipeline
@@ -60,6 +61,9 @@ def build_training_state(args: argparse.Namespace, parallel_state: ParallelState
                                      master_weight_dtype=args.master_weight_dtype,
                                      optimizer_state_dtype=args.optimizer_state_dtype, rounding_seed=args.seed,
                                      decoupled_lr_params=DECOUPLED_LR_PARAMS if args.decoupled_lr is not None else ())
+    optimizer.loss_scaler = loss_scaler_from_args(args, ddp.grad_buffers[0].device)
+    if optimizer.loss_scaler is not None:  # the pipeline scales the losses by the tensor the optimizer's update moves
+        pipeline.loss_scale = optimizer.loss_scaler.scale
     return pipeline, ddp, optimizer
 
 
@@ -98,13 +102,19 @@ def startup_banner(args: argparse.Namespace, parallel_state: ParallelState, tota
                                     if ps.pp_size > 1 else "")
     recipe = Fp8Recipe.from_args(args)
     if recipe is None:
-        precision = "bf16" if args.bf16 and torch.cuda.is_available() else "fp32 (no --fp8-format)"
+        half = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        precision = (half if torch.cuda.is_available() else f"fp32 (--{half}: on GPU only)") if half else \
+            "fp32 (no --fp8-format)"
     else:
         precision = (_recipe_words(recipe)
                      + (f" (amax history {recipe.amax_history_len}, {recipe.amax_compute_algo})" if recipe.is_delayed else "")
                      + (f", first/last {args.first_last_layers_bf16} layers high precision" if args.first_last_layers_bf16 else "")
                      + (f", saturation guard at {args.fp8_saturation_guard_threshold:g} x {args.fp8_saturation_guard_patience}"
                         if args.fp8_saturation_guard else ", saturation guard off"))
+    if args.fp16:
+        precision += (f", loss scale {args.loss_scale:.10g} (constant)" if args.loss_scale is not None else
+                      f", dynamic loss scale from {args.initial_loss_scale:.10g} (window {args.loss_scale_window}, "
+                      f"hysteresis {args.hysteresis}, min {args.min_loss_scale:g})")
     outputs = [f"{name} {path}" for name, path in (
         ("checkpoints", args.save), ("metrics", args.log_dir and f"{args.log_dir}/metrics.jsonl"),
         ("tensorboard", args.tensorboard_dir),

@@ -162,6 +162,7 @@ class Trainer:
                  guard: SaturationGuard | None = None, progress: TrainProgress | None = None,
                  checkpointer=None) -> None:
         self.args, self.ps, self.pipeline, self.ddp, self.optimizer = args, parallel_state, pipeline, ddp, optimizer
+        self.loss_scaler = optimizer.loss_scaler  # --fp16 (megafp8.optim.loss_scaler), else None
         self.guard, self.progress, self.checkpointer = guard, progress or TrainProgress(), checkpointer
         self.recipe = Fp8Recipe.from_args(args)
         self.rounds_stochastically = (self.recipe is not None and self.recipe.element_bits == 4
@@ -310,13 +311,18 @@ class Trainer:
                 window_iters += 1
                 skipped = ~updated.to(device)
                 self._new_skipped += skipped
-                self._new_nan += skipped & ~(torch.isfinite(grad_norm) & torch.isfinite(loss.to(device)))
+                # NaN iterations: a NaN loss or grad norm; under --fp16 the loss only (an overflow is the scaler's
+                # business, as Megatron counts it: skipped, not NaN).
+                finite = torch.isfinite(loss.to(device)) & (torch.isfinite(grad_norm) | (self.loss_scaler is not None))
+                self._new_nan += skipped & ~finite
                 if p.iteration % args.log_interval == 0:
                     # Read first: on a GPU the host runs ahead, and the read waits for the window's last step.
-                    loss, grad_norm = self._read_counters(loss, grad_norm)
+                    scale = [self.loss_scaler.scale] if self.loss_scaler is not None else []
+                    loss, grad_norm, *scale = self._read_counters(loss, grad_norm, *scale)
                     elapsed = (time.perf_counter() - window_start) / window_iters
                     self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None,
-                              collect_block_scale_histograms(self.ddp.module) if telemetry else None)
+                              collect_block_scale_histograms(self.ddp.module) if telemetry else None,
+                              loss_scale=scale[0] if scale else None)
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
@@ -394,11 +400,12 @@ class Trainer:
         return _on_any_rank(stop.requested or out_of_time)
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry,
-             histograms=None) -> None:
+             histograms=None, loss_scale: float | None = None) -> None:
         tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
         record = IterationRecord(
             iteration=self.progress.iteration, train_iters=self.train_iters,
             consumed_samples=self.progress.consumed_samples, lm_loss=loss, grad_norm=grad_norm, lr=lr,
+            loss_scale=loss_scale,
             tokens_per_s=self.args.global_batch_size * self.args.seq_length / seconds_per_iteration,
             skipped_iterations=self.progress.skipped_iterations, nan_iterations=self.progress.nan_iterations,
             elapsed_ms_per_iteration=1e3 * seconds_per_iteration, tflops_per_device=tflops,

@@ -54,6 +54,7 @@ class IterationRecord:
     model_state_bytes_per_param: float = float("nan")
     mfu_bf16: float | None = None
     mfu_fp8: float | None = None
+    loss_scale: float | None = None  # --fp16 only (Megatron prints it between the loss and the grad norm)
     # Console only (not metrics.jsonl): wall time since this process started training, and the time the
     # remaining iterations take at this record's rate.
     elapsed_s: float | None = None
@@ -69,6 +70,7 @@ class IterationRecord:
             f"tokens per second: {self.tokens_per_s:.1f}",
             f"learning rate: {self.lr:.6E}",
             f"lm loss: {self.lm_loss:.6E}",
+            *([f"loss scale: {self.loss_scale:.1f}"] if self.loss_scale is not None else []),
             f"grad norm: {self.grad_norm:.3f}",
             f"number of skipped iterations: {self.skipped_iterations:3d}",
             f"number of nan iterations: {self.nan_iterations:3d}",
@@ -84,6 +86,8 @@ class IterationRecord:
     def json_record(self) -> dict:
         record = asdict(self)
         del record["elapsed_s"], record["eta_s"]
+        if self.loss_scale is None:  # the key is --fp16's
+            del record["loss_scale"]
         record["comm_bytes"] = {kind: int(self.comm_bytes.get(kind, 0)) for kind in COMM_KINDS}
         return {k: _finite_or_none(v) for k, v in record.items()}
 
