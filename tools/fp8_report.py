@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 # Telemetry stats of megafp8.fp8.collect_fp8_telemetry; "flushed" is accepted as a short name.
-SATURATED, FLUSHED, AMAX = "saturated", "flushed_to_zero", "amax"
+SATURATED, FLUSHED, AMAX, KURTOSIS = "saturated", "flushed_to_zero", "amax", "kurtosis"
 SMOOTHING = 5  # final training loss: mean of the last N logged records (one step is noisy)
 PERSISTENT_SATURATION = 0.01  # a layer saturating more than this on average is named even inside the band
 
@@ -208,7 +208,8 @@ def _plot_telemetry(run: Run, output: Path) -> str | None:
 
     panels = [(AMAX, "log10 amax", lambda m: np.log10(np.maximum(m, 1e-30))),
               (SATURATED, "saturated %", lambda m: 100 * m),
-              (FLUSHED, "underflow (flushed to zero) %", lambda m: 100 * m)]
+              (FLUSHED, "underflow (flushed to zero) %", lambda m: 100 * m),
+              (KURTOSIS, "log10 input kurtosis (Gaussian: 0.48)", lambda m: np.log10(np.maximum(m, 1e-30)))]
     panels = [p for p in panels if run.telemetry.get(p[0])]
     if not panels:
         return None

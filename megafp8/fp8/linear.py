@@ -34,6 +34,7 @@ class Fp8GemmModule(nn.Module):
     force_high_precision: run in high precision whatever the recipe (precision map, output head: config)
     guard_high_precision: switched to high precision by the SaturationGuard (checkpointed by the guard)
     telemetry_enabled:    record FP8 statistics of each quantization (see telemetry.py)
+    kurtosis_enabled:     record the raw moments of the input (kurtosis.py)
     forced_overflow_factor: a test hook's input-scale multiplier (forced_overflow.py); None in real runs
     """
 
@@ -43,6 +44,8 @@ class Fp8GemmModule(nn.Module):
         self.force_high_precision = False
         self.guard_high_precision = False
         self.telemetry_enabled = False
+        self.kurtosis_enabled = False  # keep the input's moments (kurtosis.py), on telemetry log iterations
+        self.input_moments: torch.Tensor | None = None
         self.forced_overflow_factor: float | None = None
         self.wgrad_deferral = None  # a zero-bubble pipeline chunk's WgradDeferral (deferred_wgrad.py)
         self.smooths_input = False  # Smooth-SwiGLU's FC2: quantizes W / s, s per input (set by the MLP)

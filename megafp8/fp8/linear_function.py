@@ -49,6 +49,7 @@ from .forced_overflow import overflowing_scale
 from .prologue import InputPrologue
 from .quantizer import Quantized, Quantizer, TransposedShard
 from .recipe import Fp8Recipe
+from .kurtosis import record_input_moments
 from .telemetry import record_fp8_stats
 from .tensor import Float8Tensor
 
@@ -257,6 +258,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if prologue is not None and fused is None:
             x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
         x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
+        # The kurtosis monitor's log iterations (kurtosis.py): an extra pass over the input; the fused prologue never
+        # wrote it in high precision, so it runs again. Not inside a compiled graph (no host state to write there).
+        if not torch.compiler.is_compiling() and layer.kurtosis_enabled:
+            record_input_moments(layer, prologue.forward(raw, *prologue_params)[0] if fused is not None else x)
 
         # ---- quantize x (and keep x^T for wgrad); under SP gather this rank's FP8 shard ----
         if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel

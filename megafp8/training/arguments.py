@@ -167,7 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the first and last N transformer layers (N = 1 when given without a value) out of FP8")
     g.add_argument("--log-fp8-telemetry", action="store_true",
                    help="on logged iterations: per layer and tensor role the amax, scale, saturated and "
-                        "flushed-to-zero fractions, to TensorBoard")
+                        "flushed-to-zero fractions, and each FP8 layer's input kurtosis and RMS, to TensorBoard "
+                        "(kurtosis also to metrics.jsonl)")
+    g.add_argument("--kurtosis-warning-ratio", type=float, default=2.0,
+                   help="with --log-fp8-telemetry: warn when a layer's input kurtosis reaches this multiple of its "
+                        "lowest over the last --kurtosis-warning-window logs (FOG's early sign of divergence)")
+    g.add_argument("--kurtosis-warning-window", type=int, default=5,
+                   help="how many previous logged kurtosis values the warning compares with")
     g.add_argument("--no-fp8-saturation-guard", dest="fp8_saturation_guard", action="store_false",
                    help="turn the saturation guard off: no layer ever leaves FP8, and the guard's per-step telemetry "
                         "pass is saved")
@@ -418,6 +424,9 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
+    if not args.kurtosis_warning_ratio > 1 or args.kurtosis_warning_window < 1:
+        errors.append(f"--kurtosis-warning-ratio must be > 1 and --kurtosis-warning-window >= 1, got "
+                      f"{args.kurtosis_warning_ratio} and {args.kurtosis_warning_window}")
     if args.fp16 and args.bf16:
         errors.append("--fp16 and --bf16 are exclusive")
     if args.loss_scale is not None and not args.loss_scale > 0:

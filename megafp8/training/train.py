@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
 from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
+from megafp8.fp8.kurtosis import KurtosisWarning, collect_kurtosis, enable_kurtosis
 from megafp8.fp8.rounding_keys import begin_rounding_iteration
 from megafp8.fp8.telemetry import collect_block_scale_histograms
 from megafp8.training.microscaling_flags import precision_schedule_from_args
@@ -171,6 +172,7 @@ class Trainer:
         self.decoupled_schedule = decoupled_learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
         self.precision_schedule = precision_schedule_from_args(args, self.train_iters)
+        self.kurtosis_warning = KurtosisWarning(args.kurtosis_warning_ratio, args.kurtosis_warning_window)
         # The last pipeline stage computes the loss; its first TP/CP/DP rank speaks for the run.
         ps = parallel_state
         self.is_logging_rank = ps.rank == ps.world_size - ps.tp_size * ps.cp_size * ps.dp_size
@@ -302,6 +304,8 @@ class Trainer:
                 telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
                 if self.recipe is not None:  # the saturation guard reads telemetry every step
                     enable_fp8_telemetry(self.ddp.module, self.guard is not None or telemetry)
+                    if args.log_fp8_telemetry:  # the inputs' moments on telemetry iterations only (kurtosis.py)
+                        enable_kurtosis(self.ddp.module, telemetry)
                 lr = self.schedule(p.consumed_samples)
                 self.profiler.before_iteration(p.iteration)
                 loss, updated, grad_norm = self.train_step()
@@ -320,7 +324,7 @@ class Trainer:
                     scale = [self.loss_scaler.scale] if self.loss_scaler is not None else []
                     loss, grad_norm, *scale = self._read_counters(loss, grad_norm, *scale)
                     elapsed = (time.perf_counter() - window_start) / window_iters
-                    self._log(loss, lr, grad_norm, elapsed, collect_fp8_telemetry(self.ddp.module) if telemetry else None,
+                    self._log(loss, lr, grad_norm, elapsed, self._collect_telemetry() if telemetry else None,
                               collect_block_scale_histograms(self.ddp.module) if telemetry else None,
                               loss_scale=scale[0] if scale else None)
                     self._log_guard_switches()
@@ -417,6 +421,17 @@ class Trainer:
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
             self.log.log_iteration(record, telemetry, histograms)
+
+    def _collect_telemetry(self) -> dict[str, float]:
+        """The FP8 casts' statistics and the inputs' kurtosis and RMS (moments summed over this rank's TP group, so
+        the values do not depend on the TP layout); the kurtosis warning's lines on the logging rank."""
+        tp = self.ps.tp_group
+        kurtosis = collect_kurtosis(self.ddp.module, (lambda t: dist.all_reduce(t, group=tp.group))
+                                    if tp.size > 1 else None)
+        if self.is_logging_rank:
+            for message in self.kurtosis_warning.check(self.progress.iteration, kurtosis):
+                print(f" {message}", flush=True)
+        return {**collect_fp8_telemetry(self.ddp.module), **kurtosis}
 
     def _log_guard_switches(self) -> None:
         """Write the saturation guard's new switches to metrics.jsonl. Each stage decides on its own layers:

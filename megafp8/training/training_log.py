@@ -152,7 +152,9 @@ class TrainingLog:
                       histograms: dict[str, torch.Tensor] | None = None) -> None:
         """``fp8_telemetry``: megafp8.fp8.collect_fp8_telemetry's ``{"fp8/<layer>/<role>/<stat>": value}``;
         ``histograms``: collect_block_scale_histograms' block scales (TensorBoard histograms)."""
-        self._append(record.json_record())
+        kurtosis = {key[len("fp8/"):-len("/input/kurtosis")]: _finite_or_none(value)
+                    for key, value in (fp8_telemetry or {}).items() if key.endswith("/input/kurtosis")}
+        self._append({**record.json_record(), **({"input_kurtosis": kurtosis} if kurtosis else {})})
         scalars = {f"train/{name}": getattr(record, name) for name in (
             "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "model_state_bytes_per_param")}
         # A skipped step's NaN loss or grad norm would break the curves' scale: those points are left out.

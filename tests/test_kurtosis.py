@@ -1,0 +1,115 @@
+"""The kurtosis monitor (issue 32, megafp8.fp8.kurtosis): 3 on Gaussian and 6 on Laplace inputs against fp64, the
+FP8 layers' recorded inputs (a fused RMSNorm prologue's normalized input included) against an fp64 recomputation,
+the same values at TP=2 + SP built from scratch as at TP=1, the warning rule, and the training entry's
+metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from data_fixtures import REPO_ROOT
+from distributed_testing import run_distributed
+from megafp8.fp8 import Fp8Recipe
+from megafp8.fp8.kurtosis import KurtosisWarning, collect_kurtosis, enable_kurtosis, input_moments, kurtosis_and_rms
+from megafp8.model import GPTModel, ModelConfig
+from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.megatron_flags import LLAMA_FLAGS
+
+
+def _fp64_kurtosis(x: torch.Tensor) -> float:
+    x = x.double().flatten()
+    centred = x - x.mean()
+    return ((centred ** 4).mean() / (centred ** 2).mean() ** 2).item()
+
+
+@pytest.mark.parametrize("distribution,expected", [("normal", 3.0), ("laplace", 6.0)])
+def test_kurtosis_of_gaussian_and_laplace_inputs(distribution, expected):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 20, generator=g)
+    if distribution == "laplace":  # -sign(u) log(1 - 2|u|), u uniform in (-1/2, 1/2)
+        u = torch.rand(1 << 20, generator=g) - 0.5
+        x = -torch.sign(u) * torch.log1p(-2 * u.abs())
+    x = 0.3 + 2.0 * x  # a mean and a scale: kurtosis ignores both
+    kurtosis, rms = kurtosis_and_rms(input_moments(x))
+    assert abs(kurtosis.item() - _fp64_kurtosis(x)) <= 1e-9 * _fp64_kurtosis(x)
+    assert abs(kurtosis.item() - expected) <= 0.03 * expected
+    assert abs(rms.item() - x.double().pow(2).mean().sqrt().item()) <= 1e-12
+
+
+def _config() -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       seq_length=32, vocab_size=100, make_vocab_size_divisible_by=16, seed=3)
+
+
+def _ids(config: ModelConfig) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(1))
+
+
+def test_fp8_layers_record_their_inputs_including_a_fused_prologues_normalized_input():
+    config = _config()
+    model = GPTModel(config, ParallelState().init_process_groups(), fp8_recipe=Fp8Recipe.delayed(amax_history_len=4))
+    seen = {}
+    norm = model.layers["0"].input_layernorm
+    norm.register_forward_pre_hook(lambda module, args: seen.setdefault("x", args[0].detach()))
+    enable_kurtosis(model, True)
+    model(_ids(config))
+    values = collect_kurtosis(model)
+    assert len([k for k in values if k.endswith("/kurtosis")]) == 4 * config.num_layers  # every FP8 linear
+    x = seen["x"].double()  # QKV's input is RMSNorm(x), which the fused prologue never writes in high precision
+    normalized = norm.weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    assert abs(values["fp8/layers.0.self_attention.linear_qkv/input/kurtosis"] - _fp64_kurtosis(normalized)) <= 1e-6
+    enable_kurtosis(model, False)
+    assert collect_kurtosis(model) == {}  # off: nothing recorded, nothing collected
+
+
+def _tp_body(rank: int, world_size: int) -> None:
+    config, recipe = _config(), Fp8Recipe.delayed(amax_history_len=4)
+    ids = _ids(config)
+    reference = GPTModel(config, ParallelState().init_process_groups(), fp8_recipe=recipe)
+    enable_kurtosis(reference, True)
+    reference(ids)
+    expected = collect_kurtosis(reference)
+    ps = ParallelState(world_size=world_size, tensor_model_parallel_size=world_size,
+                       sequence_parallel=True).init_process_groups(rank)
+    sharded = GPTModel(config, ps, fp8_recipe=recipe)  # from scratch: layout-invariant init
+    enable_kurtosis(sharded, True)
+    sharded(ids)
+    values = collect_kurtosis(sharded, lambda t: dist.all_reduce(t, group=ps.tp_group.group))
+    assert values.keys() == expected.keys()
+    for key, value in values.items():  # sequence shards (QKV, FC1 under SP) and hidden slices (proj, FC2) summed
+        assert abs(value - expected[key]) <= 1e-3 * abs(expected[key]), (key, value, expected[key])
+
+
+def test_kurtosis_is_the_same_at_tp2_sp_built_from_scratch():
+    run_distributed(_tp_body, world_size=2)
+
+
+def test_warning_fires_once_when_kurtosis_doubles_over_the_window():
+    warning = KurtosisWarning(ratio=2.0, window=3)
+    key = "fp8/layers.1.mlp.linear_fc2/input/kurtosis"
+    lines = [warning.check(i, {key: value}) for i, value in enumerate([4.0, 3.0, 5.0, 5.9, 6.1, 9.0, 3.5, 8.0])]
+    assert [i for i, line in enumerate(lines) if line] == [4, 7]  # 6.1 >= 2 x 3.0; 9.0 not again; 8.0 >= 2 x 3.5
+    assert "layers.1.mlp.linear_fc2's input kurtosis 6.1 is 2.0x its lowest of the last 3 logs (3.0)" in lines[4][0]
+    with pytest.raises(ValueError, match="--kurtosis-warning-ratio"):
+        KurtosisWarning(ratio=1.0)
+
+
+def test_training_entry_writes_kurtosis_to_metrics(tmp_path):
+    flags = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--num-layers", "2",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4", "--mock-data", "--eval-iters", "0",
+             "--log-interval", "2", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--log-fp8-telemetry",
+             "--log-dir", str(tmp_path)]
+    result = subprocess.run([sys.executable, "-m", "megafp8.pretrain", *flags], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kurtosis = [r["input_kurtosis"] for r in records if "input_kurtosis" in r]
+    assert len(kurtosis) == 2 and len(kurtosis[-1]) == 8  # both logged iterations, every FP8 linear
+    assert all(1 < value < 100 for value in kurtosis[-1].values())
