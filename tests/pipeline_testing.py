@@ -48,7 +48,7 @@ class Case:
     micro_batch_size: int = 1
     steps: int = 2  # FP8 with TP > 1: one more (see the module docstring)
     recompute: str | None = None  # "full" (uniform, 1 layer per group) or "selective", both sides
-    qk_layernorm: bool = False
+    model: tuple = ()  # more ModelConfig fields, as (name, value) pairs
 
     def __str__(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v not in (None, False))
@@ -61,7 +61,7 @@ def config(case: Case) -> ModelConfig:
         recompute.update(recompute_method="uniform", recompute_num_layers=1)
     return ModelConfig(num_layers=case.layers, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                        num_query_groups=2, seq_length=8, vocab_size=60, make_vocab_size_divisible_by=4,
-                       tie_embeddings=case.tie, seed=5, qk_layernorm=case.qk_layernorm, **recompute)
+                       tie_embeddings=case.tie, seed=5, **recompute, **dict(case.model))
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

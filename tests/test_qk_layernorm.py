@@ -87,7 +87,7 @@ def _group_major(q_then_k: torch.Tensor, config: ModelConfig) -> torch.Tensor:
 def _pipeline_body(rank: int, world_size: int) -> None:
     # From scratch (layout-invariant init, nothing loaded): losses and every gradient, the norms' TP sums included,
     # against the single-process model over two SGD steps.
-    run_case(Case(pp=2, tp=2, sp=True, qk_layernorm=True), world_size)
+    run_case(Case(pp=2, tp=2, sp=True, model=(("qk_layernorm", True),)), world_size)
 
 
 def test_qk_layernorm_tp2_sp_pp2_from_scratch_equals_the_single_process_model():

@@ -15,13 +15,14 @@ from megafp8.parallel.context_parallel import (context_parallel_attention, gathe
                                                load_balanced_chunk_ids, local_positions, split_for_context_parallel)
 
 
-def _reference(q, k, v):
-    """Full-sequence causal attention in fp64, one process; KV head of query head i is i // (H / G)."""
+def _reference(q, k, v, scale=None):
+    """Full-sequence causal attention in fp64, one process; KV head of query head i is i // (H / G); logits times
+    ``scale`` (default 1/sqrt(d))."""
     q, k, v = (t.double() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s = q.shape[2]
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -38,12 +39,12 @@ def _expected_bytes(comm_type, n, kv_local_elems, wire_size, grad_size):
     return forward, backward
 
 
-def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, seed):
+def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, seed, scale=None):
     b, d = 2, 8
     seq = 2 * cp_size * chunk
     q, k, v, dout = _inputs(b, heads, kv_heads, seq, d, seed)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = _reference(*full)
+    ref = _reference(*full, scale=scale)
     ref.backward(dout)
     local = [split_for_context_parallel(t, 2, cp_rank, cp_size).to(dtype).requires_grad_() for t in (q, k, v)]
     counters = CommCounters()
@@ -55,7 +56,7 @@ def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, se
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = context_parallel_attention(*local, group=group, cp_rank=cp_rank, cp_size=cp_size, comm_type=comm_type,
-                                         counters=counters, enable_gqa=heads != kv_heads)
+                                         counters=counters, enable_gqa=heads != kv_heads, scale=scale)
     fwd_bytes = counters["cp_kv_p2p"]
     out.backward(split_for_context_parallel(dout, 2, cp_rank, cp_size).to(dtype))
     assert out.dtype == dtype and out.shape == local[0].shape
@@ -99,6 +100,7 @@ def _body(rank, world_size):
     for comm_type in ("p2p", "all_gather"):
         for heads, kv_heads, chunk in ((4, 2, 3), (2, 2, 5)):
             _check(group, rank, world_size, comm_type, heads, kv_heads, chunk, torch.float64, seed=chunk)
+        _check(group, rank, world_size, comm_type, 4, 2, 3, torch.float64, seed=4, scale=0.8)  # --softmax-scale
     _check(group, rank, world_size, "p2p", 4, 2, 4, torch.float32, seed=1)
     matmuls = _Fp32Matmuls()
     with matmuls:  # bf16 blocks run in the flash kernel: no fp32 matmul, forward or backward

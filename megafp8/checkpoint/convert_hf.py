@@ -239,6 +239,11 @@ def _checkpoint_path(load_dir: Path, iteration: int | None) -> Path:
     return iteration_dir(load_dir, iteration)
 
 
+# The FOG block's options (flag, saved key, the value every exported format assumes).
+_BLOCK_OPTIONS = (("--no-pre-norm", "pre_norm", True), ("--post-norm", "post_norm", False),
+                  ("--softmax-scale", "softmax_scale", None), ("--embedding-scale", "embedding_scale", 1.0))
+
+
 def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> ModelConfig:
     needed = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "max_position_embeddings", "norm_epsilon", "rotary_base", "untie_embeddings_and_output_weights"]
@@ -247,6 +252,10 @@ def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> 
         raise ConversionError(f"{path}: the manifest's flags lack {missing}; cannot describe the model")
     if args.get("activation", "swiglu") not in ("swiglu", "smooth_swiglu"):  # Smooth-SwiGLU's scales cancel
         raise ConversionError(f"{path}: --activation {args['activation']} has no HF Llama equivalent")
+    inexpressible = [flag for flag, key, default in _BLOCK_OPTIONS if args.get(key, default) != default]
+    if inexpressible:
+        raise ConversionError(f"{path}: the run trained with {', '.join(inexpressible)}: a block that HF's Llama, "
+                              "Qwen3 and Megatron-LM's GPT cannot express (exported, it would give other logits)")
     return ModelConfig(num_layers=args["num_layers"], hidden_size=args["hidden_size"],
                        ffn_hidden_size=args["ffn_hidden_size"], num_attention_heads=args["num_attention_heads"],
                        num_query_groups=args["num_query_groups"], vocab_size=vocab_size,

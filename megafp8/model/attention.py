@@ -41,6 +41,7 @@ class SelfAttention(nn.Module):
         self.local_groups = config.num_query_groups // tp_size
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.attention_dropout = config.attention_dropout  # on the probabilities, in training mode only
+        self.softmax_scale = config.softmax_scale  # None: SDPA's 1/sqrt(d)
         # Context parallelism: this rank holds 2 of each sequence's 2 x CP chunks; K/V travel over the CP group.
         self.parallel_state = parallel_state
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
@@ -95,11 +96,13 @@ class SelfAttention(nn.Module):
             if dropout:  # validate_model refuses the config; a hand-built layer would silently skip it
                 raise ValueError("--attention-dropout is not supported with --context-parallel-size > 1")
             out = context_parallel_attention(q, k, v, group=ps.cp_group.group, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
-                                             comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa)
+                                             comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa,
+                                             scale=self.softmax_scale)
         elif dropout:
             # Each TP rank holds other heads: its masks come from its own stream (Megatron's tracker fork).
             with mask_generator(rng, True, ps.tp_size):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa,
+                                                 scale=self.softmax_scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)  # [s, b, H/TP * d]

@@ -67,6 +67,15 @@ class ModelConfig:
     # --qk-layernorm: an RMSNorm over each query and each key head's d channels before RoPE (Qwen3's q_norm / k_norm,
     # Megatron's q_layernorm / k_layernorm), one gain vector [d] per projection shared by its heads.
     qk_layernorm: bool = False
+    # The FOG block (issue 32; docs/training.md "Architectures for FP8"): --no-pre-norm drops the RMSNorm in front of
+    # attention and the MLP; --post-norm adds one on each sublayer's output, x + RMSNorm(F(x)) (FOG's and OLMo-2's
+    # placement), its gains starting at 1/sqrt(num_layers).
+    pre_norm: bool = True
+    post_norm: bool = False
+    # --softmax-scale: attention logits times this instead of 1/sqrt(head dim) (FOG keeps it fixed under QK norms).
+    softmax_scale: float | None = None
+    # --embedding-scale: the embedding's output times this constant (FOG's input activation scaling).
+    embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:

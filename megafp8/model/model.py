@@ -7,6 +7,8 @@ contiguous dim-0 chunks; under SP, "s" between TP regions is ``s/TP``)::
       -> num_layers x TransformerLayer:
            x = x + dropout(linear_proj(attention(linear_qkv(input_layernorm(x)))))
            x = x + dropout(linear_fc2(swiglu(linear_fc1(pre_mlp_layernorm(x)))))
+         (--no-pre-norm drops input_layernorm / pre_mlp_layernorm; --post-norm wraps each sublayer's output in
+         attention_output_layernorm / mlp_output_layernorm before the dropout and the add)
       -> final_layernorm -> output_layer (column-parallel)           [s, b, V/TP]
       -> labels given: vocab-parallel CE -> per-token loss          [b, s]
          else: logits transposed to                                 [b, s, V/TP]
@@ -18,12 +20,14 @@ HF Llama counterparts and the fused layouts are in ``megafp8.model.hf_mapping``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from megafp8.fp8 import CONFIG, Fp8Recipe, PrecisionPlan, apply_precision_map, layer_recipes
+from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.attention import SelfAttention
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import hidden_dropout_add
@@ -44,13 +48,20 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
         super().__init__()
         sp = parallel_state.sequence_parallel
-        zero_centered = config.layernorm_zero_centered_gamma
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype,
-                                       zero_centered_gamma=zero_centered)
+
+        def norm(initial_gain: float = 1.0) -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype,
+                           zero_centered_gamma=config.layernorm_zero_centered_gamma, initial_gain=initial_gain)
+
+        self.input_layernorm = norm() if config.pre_norm else None
         self.self_attention = SelfAttention(config, parallel_state)
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_eps, sp, config.params_dtype,
-                                         zero_centered_gamma=zero_centered)
+        self.pre_mlp_layernorm = norm() if config.pre_norm else None
         self.mlp = MLP(config, parallel_state)
+        # --post-norm: each sublayer's output normalized before the residual add (FOG), starting small
+        self.attention_output_layernorm = self.mlp_output_layernorm = None
+        if config.post_norm:
+            self.attention_output_layernorm = norm(1 / math.sqrt(config.num_layers))
+            self.mlp_output_layernorm = norm(1 / math.sqrt(config.num_layers))
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel, self.tp_size = sp, parallel_state.tp_size
         # RMSNorm -> QKV / FC1 and SwiGLU -> FC2 run as the linears' prologues (megafp8.fp8.prologue): in FP8 fused
@@ -62,16 +73,28 @@ class TransformerLayer(nn.Module):
         """`rng`: the model-parallel RNG of the dropout masks that differ per TP rank (megafp8.model.dropout)."""
         if self.fuse_fp8_prologues:
             # The norms are still called (as_prologue): their forward hooks, e.g. the overlapped param gather, run.
-            out = self.self_attention(x, rotary, input_norm=self.input_layernorm(x, as_prologue=True), rng=rng)
-            x = self._dropout_add(out, x, rng)
-            return self._dropout_add(self.mlp(x, input_norm=self.pre_mlp_layernorm(x, as_prologue=True),
-                                              fuse_activation=True), x, rng)
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rotary, rng=rng), x, rng)
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x, rng)
+            out = self.self_attention(x, rotary, input_norm=_prologue(self.input_layernorm, x), rng=rng)
+            x = self._dropout_add(out, x, rng, self.attention_output_layernorm)
+            return self._dropout_add(self.mlp(x, input_norm=_prologue(self.pre_mlp_layernorm, x), fuse_activation=True),
+                                     x, rng, self.mlp_output_layernorm)
+        x = self._dropout_add(self.self_attention(_normed(self.input_layernorm, x), rotary, rng=rng), x, rng,
+                              self.attention_output_layernorm)
+        return self._dropout_add(self.mlp(_normed(self.pre_mlp_layernorm, x)), x, rng, self.mlp_output_layernorm)
 
-    def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor, rng: ModelParallelRNG | None) -> torch.Tensor:
-        return hidden_dropout_add(out, residual, self.hidden_dropout, self.training, rng, self.sequence_parallel,
-                                  self.tp_size)
+    def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor, rng: ModelParallelRNG | None,
+                     output_norm: RMSNorm | None) -> torch.Tensor:
+        """residual + dropout(out), with --post-norm residual + dropout(RMSNorm(out))."""
+        return hidden_dropout_add(_normed(output_norm, out), residual, self.hidden_dropout, self.training, rng,
+                                  self.sequence_parallel, self.tp_size)
+
+
+def _prologue(norm: RMSNorm | None, x: torch.Tensor) -> RMSNormPrologue | None:
+    """The pre-norm as the next linear's fused prologue (None under --no-pre-norm: the linear reads x itself)."""
+    return norm(x, as_prologue=True) if norm is not None else None
+
+
+def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    return norm(x) if norm is not None else x
 
 
 class GPTModel(nn.Module):
@@ -171,6 +194,8 @@ class GPTModel(nn.Module):
         local logits shard ``[b, s, V/TP]`` (padded vocab), or the hidden states when not ``post_process``."""
         if self.pre_process:
             x = self.embedding(input_ids.t().contiguous())  # [s(/TP), b, h]
+            if self.config.embedding_scale != 1.0:  # --embedding-scale
+                x = x * self.config.embedding_scale
         elif hidden_states is None:
             raise ValueError("GPTModel without pre_process needs hidden_states from the previous stage")
         else:

@@ -16,17 +16,18 @@ class RMSNorm(nn.Module):
 
     ``zero_centered_gamma`` (--apply-layernorm-1p, Megatron's layernorm_zero_centered_gamma): the stored weight
     w starts at 0 and the gain is ``1 + w``, computed in the weight's dtype in every forward (Megatron's
-    ``weight + 1``); the gradient reaching w is the gain's. Otherwise the gain is the weight, starting at 1.
+    ``weight + 1``); the gradient reaching w is the gain's. Otherwise the gain is the weight, starting at 1
+    (``initial_gain`` otherwise: --post-norm's 1/sqrt(L)).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 zero_centered_gamma: bool = False) -> None:
+                 zero_centered_gamma: bool = False, initial_gain: float = 1.0) -> None:
         super().__init__()
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, dtype=params_dtype, device=device))
+        stored = initial_gain - 1 if zero_centered_gamma else initial_gain  # the gain is 1 + w when zero-centred
+        self.weight = nn.Parameter(torch.full((hidden_size,), stored, dtype=params_dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel
 
     def gain(self) -> torch.Tensor:

@@ -79,7 +79,7 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, device=None) ->
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                group: dist.ProcessGroup | None, cp_rank: int, cp_size: int,
                                comm_type: str = "p2p", counters: CommCounters | None = None,
-                               enable_gqa: bool = False) -> torch.Tensor:
+                               enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
     """Causal attention over the GLOBAL sequence for this rank's load-balanced local tokens.
 
     q ``[b, heads, s_local, d]``, k/v ``[b, kv_heads, s_local, d]``, already rotated with their global
@@ -88,7 +88,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ProcessGroup of the CP ranks in cp_rank order; its K/V traffic is charged to ``counters`` (the
     ``ParallelState.comm`` counters, or None) under ``cp_kv_p2p``. ``comm_type``: ``p2p`` (ring, the
     exchange of the next K/V block overlapping the current block's math) or ``all_gather``. The attention
-    math runs in fp32 (fp64 for fp64 inputs) whatever the input dtype; at CP=1 this is SDPA.
+    math runs in fp32 (fp64 for fp64 inputs) whatever the input dtype; at CP=1 this is SDPA. ``scale``: the
+    logits' factor (None: 1/sqrt(d)).
     """
     _check_rank(cp_rank, cp_size)
     if comm_type not in COMM_TYPES:
@@ -102,9 +103,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"context parallel attention: {heads} query heads over {kv_heads} KV heads needs "
                          "enable_gqa=True and a whole number of query heads per KV head")
     if cp_size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
     if q.shape[2] % 2:
         raise ValueError(f"context parallel attention: local sequence length {q.shape[2]} is not two equal chunks")
     if group is None:
         raise ValueError(f"context parallel attention: cp_size {cp_size} needs the CP process group")
-    return ring_attention(q, k, v, group, cp_rank, cp_size, comm_type, counters)
+    return ring_attention(q, k, v, group, cp_rank, cp_size, comm_type, counters, scale)

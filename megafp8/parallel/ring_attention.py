@@ -77,11 +77,11 @@ class _InFlight:
         return self._recv
 
 
-def _forward(q, k, v, handle: GroupHandle, comm_type: str):
+def _forward(q, k, v, handle: GroupHandle, comm_type: str, scale: float):
     """Output ``[b, H, s, d]`` in q's dtype and ``lse`` ``[b, H, s]`` in the compute dtype."""
     n, r, ct = handle.size, handle.rank, compute_dtype(q.dtype)
     kv = torch.stack([k, v]).contiguous()  # one message per ring step
-    chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
+    chunk = q.shape[2] // 2
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=ct, device=q.device)
     gathered = _gather_async(kv, handle) if comm_type == "all_gather" else None
@@ -108,10 +108,10 @@ def _gather_async(kv: torch.Tensor, handle: GroupHandle):
     return PendingCollective(pending, finish=lambda p: p.wait().view(handle.size, *kv.shape))
 
 
-def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
+def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str, scale: float):
     n, r, ct = handle.size, handle.rank, compute_dtype(q.dtype)
     kv = torch.stack([k, v]).contiguous()
-    chunk, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
+    chunk = q.shape[2] // 2
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     if comm_type == "all_gather":
         all_kv = _gather_async(kv, handle).wait()
@@ -147,21 +147,23 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str):
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle: GroupHandle, comm_type: str):
-        out, lse = _forward(q, k, v, handle, comm_type)
+    def forward(ctx, q, k, v, handle: GroupHandle, comm_type: str, scale: float):
+        out, lse = _forward(q, k, v, handle, comm_type, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.handle, ctx.comm_type = handle, comm_type
+        ctx.handle, ctx.comm_type, ctx.scale = handle, comm_type, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(q, k, v, out, lse, dout, ctx.handle, ctx.comm_type), None, None)
+        return (*_backward(q, k, v, out, lse, dout, ctx.handle, ctx.comm_type, ctx.scale), None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, cp_rank: int,
-                   cp_size: int, comm_type: str, counters: CommCounters | None) -> torch.Tensor:
-    """Differentiable CP attention (shapes checked by the caller); see the module docstring."""
+                   cp_size: int, comm_type: str, counters: CommCounters | None,
+                   scale: float | None = None) -> torch.Tensor:
+    """Differentiable CP attention (shapes checked by the caller); see the module docstring. ``scale``: the
+    logits' factor (None: 1/sqrt(d), as SDPA)."""
     ranks = tuple(dist.get_process_group_ranks(group))
     if len(ranks) != cp_size:
         raise ValueError(f"context parallel attention: the CP group has {len(ranks)} ranks, cp_size is {cp_size}")
@@ -170,4 +172,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                          f"{ranks.index(dist.get_rank()) if dist.get_rank() in ranks else 'none'} of the CP group "
                          f"{ranks}, but cp_rank is {cp_rank}")
     handle = GroupHandle(group=group, ranks=ranks, rank=cp_rank, counters=counters or CommCounters())
-    return _ContextParallelAttention.apply(q, k, v, handle, comm_type)
+    return _ContextParallelAttention.apply(q, k, v, handle, comm_type, q.shape[-1] ** -0.5 if scale is None else scale)

@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="swiglu (what --swiglu builds), or smooth_swiglu (per-channel power-of-two scaling before "
                         "FC2's FP8 cast, docs/fp8.md)")
+    g.add_argument("--no-pre-norm", dest="pre_norm", action="store_false",
+                   help="no RMSNorm in front of attention and the MLP (FOG: with --post-norm and --qk-layernorm)")
+    g.add_argument("--post-norm", action="store_true",
+                   help="an RMSNorm on each sublayer's output before the residual add, x + RMSNorm(F(x)) (FOG, "
+                        "OLMo-2's placement); gains start at 1/sqrt(--num-layers)")
+    g.add_argument("--softmax-scale", type=float, default=None,
+                   help="attention logits times this instead of 1/sqrt(head dim)")
+    g.add_argument("--embedding-scale", type=float, default=1.0,
+                   help="the embedding's output times this constant (FOG's input scaling)")
     megatron_flags.add_model_flags(g)
 
     g = p.add_argument_group("parallelism")
@@ -424,6 +433,10 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
+    for name in ("softmax_scale", "embedding_scale"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not args.kurtosis_warning_ratio > 1 or args.kurtosis_warning_window < 1:
         errors.append(f"--kurtosis-warning-ratio must be > 1 and --kurtosis-warning-window >= 1, got "
                       f"{args.kurtosis_warning_ratio} and {args.kurtosis_warning_window}")
