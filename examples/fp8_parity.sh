@@ -11,7 +11,9 @@
 #         delayed + ZeRO, without and with --fp8-grad-reduce; the report compares the pair, 0.5% band),
 #         mxfp8 (E4M3, E8M0 scale per 32), nvfp4 (--fp4-format e2m1: stochastic rounding, Hadamard wgrad, 16x16
 #         weights) and its ablations nvfp4_no_sr / nvfp4_no_rht / nvfp4_no_2d (one part off each), mxfp4
-#         (emulated on CPU: the numerics of Blackwell's block-scaled GEMMs, not their speed)
+#         (emulated on CPU: the numerics of Blackwell's block-scaled GEMMs, not their speed), and NVFP4's
+#         precision schedule: nvfp4_then_bf16 (the last 20% of the run in high precision) and nvfp4_fprop_bf16
+#         (the NVFP4 paper's variant: only the forward GEMMs switch)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
@@ -77,12 +79,14 @@ declare -A run_flags=(
   [nvfp4_no_rht]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-no-hadamard"
   [nvfp4_no_2d]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-no-2d-weights"
   [mxfp4]="--fp4-format e2m1 --fp4-recipe mxfp4"
+  [nvfp4_then_bf16]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-fraction 0.8"
+  [nvfp4_fprop_bf16]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-fraction 0.8 --fp4-switch-gemms fprop"
 )
 dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
 declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"

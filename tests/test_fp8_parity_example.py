@@ -1,5 +1,6 @@
 """examples/fp8_parity.sh --quick (a reduced model): every FP8, MX and FP4 mode trains (final loss below its first) and
-stays within a loose 10% of the fp32 baseline's final validation loss; the report lists every run; the guard
+stays within a loose 10% of the fp32 baseline's final validation loss; the report lists every run; the precision
+schedule rows switch at 0.8 of the run; the guard
 moves the layer the forced-overflow hook clips to high precision, and only in the run that has the guard."""
 import json
 import os
@@ -9,7 +10,10 @@ from data_fixtures import REPO_ROOT
 
 RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_zero_compressed",
         "fp8_delayed_smooth_swiglu", "fp8_overflow_guarded", "fp8_overflow_unguarded", "mxfp8", "nvfp4", "nvfp4_no_sr",
-        "nvfp4_no_rht", "nvfp4_no_2d", "mxfp4"]
+        "nvfp4_no_rht", "nvfp4_no_2d", "mxfp4", "nvfp4_then_bf16", "nvfp4_fprop_bf16"]
+SCHEDULES = {"nvfp4_then_bf16": "FP4 layers switch to high precision at iteration 17",  # 0.8 of 20 iterations
+             "nvfp4_fprop_bf16": "FP4 layers switch to the forward GEMMs in high precision (dgrad/wgrad stay FP4) "
+                                 "at iteration 17"}
 
 
 def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
@@ -34,6 +38,8 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path):
     # nothing else switches, and without the guard nothing does.
     assert switches.pop("fp8_overflow_guarded") == [(6, "layers.0.mlp.linear_fc2")]
     assert not any(switches.values()), switches
+    for name, switch in SCHEDULES.items():  # the precision schedule rows switched where the fraction says
+        assert f"precision schedule: {switch}" in (tmp_path / "runs" / f"{name}.log").read_text(), name
     report = (tmp_path / "report" / "report.md").read_text()
     assert "| fp8_overflow_guarded | 6 | layers.0.mlp.linear_fc2 |" in report
     assert all(f"| {name} | 20 |" in report for name in RUNS)
