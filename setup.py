@@ -20,7 +20,7 @@ setup(
         # schedule), torchao (low-bit AdamW, MX/NVFP4 references), accelerate (transformers needs it to load an FP8
         # export), compressed-tensors (what reads an hf-nvfp4 export: transformers loads it through it);
         # tensorboard and matplotlib are what the reports write with; wandb what --wandb-project logs with.
-        "test": ["pytest", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
+        "test": ["pytest", "pytest-xdist", "transformers", "safetensors", "sentencepiece", "tokenizers", "megatron-core", "torchao",
                  "tensorboard", "matplotlib", "accelerate", "wandb", "compressed-tensors"],
         "data": ["sentencepiece", "tokenizers"],
         # What --tensorboard-dir writes with; the README's main job (examples/quickstart.sh) installs

@@ -15,7 +15,8 @@ Runs on a machine with a CUDA GPU, in under 6 minutes on one H200 (the step budg
   tests       (65 s)  the kernel, fused-prologue and FP8 linear tests on CUDA against their twins, the in-cast
                       telemetry counts, the promotion order, the on-device model build, the guard's pinned-memory
                       flags, the fused optimizer kernels against their twins (the default GEMM config, no tuning;
-                      xdist -n 12 if present; skipped with a reason if the image has no pytest: installs nothing);
+                      xdist -n 12 if present, pytest.ini's options replaced (-o addopts=); skipped with a reason
+                      if the image has no pytest: installs nothing);
   gemm        (40 s)  tools/bench/bench_gemm.py: FP8 GEMM TFLOP/s (Triton, torch._scaled_mm, bf16), quantize GB/s;
   wgrad       (25 s)  bench_gemm.py --wgrad: wgrad into fp32 main_grad, Triton accumulate vs _scaled_mm + add_;
   gluon       (15 s)  bench_gemm.py --gemm-only with MEGAFP8_GEMM_PRECISE_KERNEL=gluon (the precise path with a
@@ -87,7 +88,7 @@ step_command() {
       local run_shard='"$AUDIT_PYTHON" tools/bench/kernel_audit.py --shard $i/'"$PRECOMPILE_SHARD_COUNT"' --json "$OUT_DIR/audit$i.json" > "$OUT_DIR/audit$i.md" 2>&1'
       if [ "$cpu_precompile" = 1 ]; then run_shard+=' || rc=1;'; else run_shard+=' &'; fi
       echo 'rc=0; for i in '"${shards//,/ }"'; do '"$run_shard"' done; for j in $(jobs -p); do wait $j || rc=1; done; cat "$OUT_DIR"/audit?.md; exit $rc' ;;
-    tests) echo 'python3 -c "import pytest" 2>/dev/null || { echo "tests: SKIPPED: pytest is not installed in this image (this step installs nothing)"; exit 0; }; xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); python3 -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} '"$TESTS_STEP_IDS" ;;
+    tests) echo 'python3 -c "import pytest" 2>/dev/null || { echo "tests: SKIPPED: pytest is not installed in this image (this step installs nothing)"; exit 0; }; xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12); python3 -m pytest -o addopts= -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} '"$TESTS_STEP_IDS" ;;
     gemm) echo 'python3 tools/bench/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"' ;;
     wgrad) echo 'python3 tools/bench/bench_gemm.py --wgrad --json "$OUT_DIR/bench_wgrad.json"' ;;
     gluon) echo 'MEGAFP8_GEMM_PRECISE_KERNEL=gluon python3 tools/bench/bench_gemm.py --gemm-only --json "$OUT_DIR/bench_gemm_gluon.json"' ;;
