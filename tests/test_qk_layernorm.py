@@ -1,6 +1,7 @@
 """--qk-layernorm (issue 32): an RMSNorm on each query and key head before RoPE, checked against transformers' Qwen3
 (logits and gradients, in fp64), the PP=1 model from scratch under TP=2 + SP and PP=2, and as users reach it: the
-training entry, its checkpoint in transformers, and the converters (HF Qwen3 and Megatron-LM, both ways)."""
+training entry, its checkpoint in transformers, and the converters (HF Qwen3 and Megatron-LM, both ways); frozen
+gains (--freeze-qk-layernorm) get no gradient and no optimizer state."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from convert_testing import TOLERANCE, checkpoint_tensors, convert, rel_err
 from data_fixtures import REPO_ROOT
@@ -152,3 +154,27 @@ def test_training_entry_with_qk_layernorm_exports_to_transformers_qwen3(tmp_path
     with pytest.raises(ArgsMismatchError, match="--qk-layernorm: checkpoint True, now False"):
         load_checkpoint(tmp_path / "run", model=plain, parallel_state=ParallelState(),
                         args=training_args(plain.config), finetune=True)
+
+
+def test_frozen_qk_gains_get_no_gradient_and_no_optimizer_state(tmp_path):
+    """--freeze-qk-layernorm (FOG) at TP=2 + SP with the distributed optimizer: the gains stay 1, have no optimizer
+    entries, and every other weight trains."""
+    flags = [*LLAMA_FLAGS, "--qk-layernorm", "--freeze-qk-layernorm", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--lr", "1e-2", "--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "200", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--use-distributed-optimizer", "--save", str(tmp_path / "run"), "--save-interval", "2", "--eval-iters", "0"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "megafp8.pretrain", *flags], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    weights = checkpoint_tensors(tmp_path / "run")
+    frozen = [k for k in weights if "q_layernorm" in k or "k_layernorm" in k]
+    assert len(frozen) == 4 and all(torch.equal(weights[k], torch.ones(16)) for k in frozen)
+    assert not torch.equal(weights["model.layers.0.input_layernorm.weight"], torch.ones(64))  # the others train
+    metadata = dcp.FileSystemReader(str(tmp_path / "run" / "iter_0000002")).read_metadata().state_dict_metadata
+    optimizer = [k for k in metadata if k.startswith("optimizer.params.")]
+    assert optimizer and not any("q_layernorm" in k or "k_layernorm" in k for k in optimizer)
+    model = GPTModel(_config(freeze_qk_layernorm=True), ParallelState().init_process_groups())
+    model(_ids(model.config), labels=_ids(model.config)).mean().backward()
+    assert model.layers["0"].self_attention.q_layernorm.weight.grad is None

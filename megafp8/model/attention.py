@@ -58,6 +58,8 @@ class SelfAttention(nn.Module):
             self.q_layernorm, self.k_layernorm = (
                 RMSNorm(self.head_dim, config.norm_eps, sequence_parallel=True, params_dtype=config.params_dtype,
                         zero_centered_gamma=config.layernorm_zero_centered_gamma) for _ in range(2))
+            for norm in (self.q_layernorm, self.k_layernorm):  # frozen: outside the grad buffers and the optimizer
+                norm.weight.requires_grad_(not config.freeze_qk_layernorm)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 input_norm: RMSNormPrologue | None = None, rng: ModelParallelRNG | None = None) -> torch.Tensor:

@@ -67,6 +67,8 @@ class ModelConfig:
     # --qk-layernorm: an RMSNorm over each query and each key head's d channels before RoPE (Qwen3's q_norm / k_norm,
     # Megatron's q_layernorm / k_layernorm), one gain vector [d] per projection shared by its heads.
     qk_layernorm: bool = False
+    # --freeze-qk-layernorm: those gains stay as initialised (1) or loaded: no gradient, no optimizer state (FOG).
+    freeze_qk_layernorm: bool = False
     # The FOG block (issue 32; docs/training.md "Architectures for FP8"): --no-pre-norm drops the RMSNorm in front of
     # attention and the MLP; --post-norm adds one on each sublayer's output, x + RMSNorm(F(x)) (FOG's and OLMo-2's
     # placement), its gains starting at 1/sqrt(num_layers).
@@ -82,6 +84,8 @@ class ModelConfig:
             self.num_query_groups = self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.freeze_qk_layernorm and not self.qk_layernorm:
+            raise ValueError("--freeze-qk-layernorm needs --qk-layernorm")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         errors = recompute_errors(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)

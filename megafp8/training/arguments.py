@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="swiglu (what --swiglu builds), or smooth_swiglu (per-channel power-of-two scaling before "
                         "FC2's FP8 cast, docs/fp8.md)")
+    g.add_argument("--freeze-qk-layernorm", action="store_true",
+                   help="with --qk-layernorm: its gains stay as initialised (1) or loaded, no gradient and no "
+                        "optimizer state (FOG's non-trainable QK norm)")
     g.add_argument("--no-pre-norm", dest="pre_norm", action="store_false",
                    help="no RMSNorm in front of attention and the MLP (FOG: with --post-norm and --qk-layernorm)")
     g.add_argument("--post-norm", action="store_true",
@@ -433,6 +436,8 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
+    if args.freeze_qk_layernorm and not args.qk_layernorm:
+        errors.append("--freeze-qk-layernorm needs --qk-layernorm")
     for name in ("softmax_scale", "embedding_scale"):
         value = getattr(args, name)
         if value is not None and not value > 0:
