@@ -1,4 +1,5 @@
-"""Test session setup: on machines without CUDA, Triton kernels run in Triton's interpreter."""
+"""Test session setup: on machines without CUDA, Triton kernels run in Triton's interpreter; the longest files run
+first."""
 import os
 
 import torch
@@ -10,7 +11,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+# The longest files first (minutes each on the 2-core CI machine): the two xdist workers (pytest.ini, one file each at
+# a time) then finish together, instead of one running a 5-minute file alone at the end.
+LONGEST_FIRST = ("test_kernel_audit.py", "test_fp8_parity_example.py", "test_training_3d.py",
+                 "test_microscaling_training.py", "test_compile_training.py", "test_quickstart.py",
+                 "test_context_parallel_training.py", "test_fp8_grad_reduce.py", "test_kernel_audit_blackwell.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
