@@ -86,3 +86,20 @@ def loss_scaler_from_args(args, device: torch.device | str) -> LossScaler | None
         return LossScaler(args.loss_scale, device)
     return DynamicLossScaler(args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window, args.hysteresis,
                              device)
+
+
+def loss_scale_errors(args) -> list[str]:
+    """--fp16 and its loss-scale flags' problems, one line each (Megatron-LM reads them only with --fp16; so are
+    they checked whatever --fp16 says: a bad value is a typo either way)."""
+    errors = []
+    if args.fp16 and args.bf16:
+        errors.append("--fp16 and --bf16 are exclusive")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        errors.append(f"--loss-scale must be positive, got {args.loss_scale}")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        errors.append(f"--min-loss-scale ({args.min_loss_scale}) must be positive and at most --initial-loss-scale "
+                      f"({args.initial_loss_scale})")
+    for name in ("loss_scale_window", "hysteresis"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return errors

@@ -20,6 +20,8 @@ from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from megafp8.training import megatron_flags
 from megafp8.training.compilation import add_compile_flags, compile_errors
+from megafp8.optim.loss_scaler import loss_scale_errors
+from megafp8.training.block_flags import add_block_flags, block_errors
 from megafp8.training.microscaling_flags import (add_microscaling_flags, fill_microscaling_defaults,
                                                  microscaling_errors)
 from megafp8.training.profiling import profile_errors
@@ -86,18 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="swiglu (what --swiglu builds), or smooth_swiglu (per-channel power-of-two scaling before "
                         "FC2's FP8 cast, docs/fp8.md)")
-    g.add_argument("--freeze-qk-layernorm", action="store_true",
-                   help="with --qk-layernorm: its gains stay as initialised (1) or loaded, no gradient and no "
-                        "optimizer state (FOG's non-trainable QK norm)")
-    g.add_argument("--no-pre-norm", dest="pre_norm", action="store_false",
-                   help="no RMSNorm in front of attention and the MLP (FOG: with --post-norm and --qk-layernorm)")
-    g.add_argument("--post-norm", action="store_true",
-                   help="an RMSNorm on each sublayer's output before the residual add, x + RMSNorm(F(x)) (FOG, "
-                        "OLMo-2's placement); gains start at 1/sqrt(--num-layers)")
-    g.add_argument("--softmax-scale", type=float, default=None,
-                   help="attention logits times this instead of 1/sqrt(head dim)")
-    g.add_argument("--embedding-scale", type=float, default=1.0,
-                   help="the embedding's output times this constant (FOG's input scaling)")
+    add_block_flags(g)
     megatron_flags.add_model_flags(g)
 
     g = p.add_argument_group("parallelism")
@@ -436,25 +427,10 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
-    if args.freeze_qk_layernorm and not args.qk_layernorm:
-        errors.append("--freeze-qk-layernorm needs --qk-layernorm")
-    for name in ("softmax_scale", "embedding_scale"):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            errors.append(f"--{name.replace('_', '-')} must be positive, got {value}")
+    errors += block_errors(args) + loss_scale_errors(args)
     if not args.kurtosis_warning_ratio > 1 or args.kurtosis_warning_window < 1:
         errors.append(f"--kurtosis-warning-ratio must be > 1 and --kurtosis-warning-window >= 1, got "
                       f"{args.kurtosis_warning_ratio} and {args.kurtosis_warning_window}")
-    if args.fp16 and args.bf16:
-        errors.append("--fp16 and --bf16 are exclusive")
-    if args.loss_scale is not None and not args.loss_scale > 0:
-        errors.append(f"--loss-scale must be positive, got {args.loss_scale}")
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-        errors.append(f"--min-loss-scale ({args.min_loss_scale}) must be positive and at most --initial-loss-scale "
-                      f"({args.initial_loss_scale})")
-    for name in ("loss_scale_window", "hysteresis"):
-        if getattr(args, name) < 1:
-            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.fp8_param_gather and args.fp8_format is None:
         errors.append("--fp8-param-gather needs --fp8-format")
     if args.fp8_param_gather and not args.use_distributed_optimizer:
