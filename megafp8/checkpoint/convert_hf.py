@@ -63,7 +63,7 @@ def _hf_layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
             p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
             p + "mlp.down_proj.weight": (h, ffn),
-            **({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)} if config.qk_layernorm else {})}
+            **({p + f"self_attn.{x}_norm.weight": (d,) for x in "qk"} if config.qk_layernorm else {})}
 
 
 def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -4,7 +4,7 @@ The kurtosis of a tensor's elements is ``E[(x - mean)^4] / Var(x)^2`` (3 for a G
 features push it up long before a cast saturates). A layer with ``kurtosis_enabled`` keeps the raw moments of its
 input, ``[n, sum x, sum x^2, sum x^3, sum x^4]`` in fp64 on the device, computed where the input is quantized (the
 normalized input of a fused RMSNorm prologue, the SwiGLU output of FC2's). The trainer turns it on for the
-iterations that log FP8 telemetry only (one reduction pass over each input then, none otherwise), sums the moments
+steps that log FP8 telemetry only (one reduction pass over each input then, none otherwise), sums the moments
 over the tensor-parallel group (sequence shards under SP, hidden slices of a row-parallel input, or identical
 copies, which leave the ratios unchanged), and derives kurtosis and RMS: the same values at any TP layout.
 
@@ -17,9 +17,6 @@ from collections import deque
 
 import torch
 from torch import nn
-
-MOMENTS = 5  # n, sum x, sum x^2, sum x^3, sum x^4
-
 
 def input_moments(x: torch.Tensor) -> torch.Tensor:
     """``[n, sum x, sum x^2, sum x^3, sum x^4]`` of ``x``'s elements, fp64, on x's device (no host sync)."""

@@ -194,8 +194,8 @@ DEFAULT_HF_SEQ_LENGTH = 4096
 
 
 def model_config_from_hf(hf_config: Any, seq_length: int | None = None, **overrides: Any) -> ModelConfig:
-    """The ModelConfig of an HF ``LlamaConfig`` or ``Qwen3Config`` (attribute access, so a loaded config.json works too). seq_length
-    defaults to min(max_position_embeddings, DEFAULT_HF_SEQ_LENGTH); max_position_embeddings stays the model's."""
+    """The ModelConfig of an HF ``LlamaConfig`` or ``Qwen3Config`` (attribute access, so a loaded config.json works
+    too). seq_length defaults to min(max_position_embeddings, DEFAULT_HF_SEQ_LENGTH); max_position_embeddings stays the model's."""
     problems = hf_rope_problems(hf_config)
     if problems:
         raise ValueError("unsupported RoPE: " + "; ".join(problems))

@@ -27,7 +27,7 @@ class LossScaler:
         self.scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
 
     def inverse(self) -> torch.Tensor:
-        """1 / scale (exact: every scale this class holds is a power of two or the user's constant)."""
+        """1 / scale: exact for the dynamic scaler's powers of two, rounded once for a --loss-scale constant."""
         return torch.ones_like(self.scale) / self.scale
 
     def update(self, found_inf: torch.Tensor) -> None:
@@ -46,7 +46,8 @@ class DynamicLossScaler(LossScaler):
     def __init__(self, initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int,
                  device: torch.device | str = "cpu") -> None:
         if not 0 < min_scale <= initial_scale:
-            raise ValueError(f"--min-loss-scale ({min_scale}) must be > 0 and <= --initial-loss-scale ({initial_scale})")
+            raise ValueError(f"--min-loss-scale ({min_scale}) must be > 0 and <= --initial-loss-scale "
+                             f"({initial_scale})")
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError(f"--loss-scale-window ({growth_interval}) and --hysteresis ({hysteresis}) must be >= 1")
         super().__init__(initial_scale, device)
@@ -89,8 +90,8 @@ def loss_scaler_from_args(args, device: torch.device | str) -> LossScaler | None
 
 
 def loss_scale_errors(args) -> list[str]:
-    """--fp16 and its loss-scale flags' problems, one line each (Megatron-LM reads them only with --fp16; so are
-    they checked whatever --fp16 says: a bad value is a typo either way)."""
+    """--fp16 and its loss-scale flags' problems, one line each. Megatron-LM reads the loss-scale flags only with
+    --fp16; they are checked either way, since a bad value is a typo whether or not --fp16 is given."""
     errors = []
     if args.fp16 and args.bf16:
         errors.append("--fp16 and --bf16 are exclusive")

@@ -68,7 +68,8 @@ class Checkpointer:
         path = save_checkpoint(
             self.args.save, progress.iteration, model=self.chunks, parallel_state=self.ps,
             optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
-            extra={"progress": asdict(progress), **self._loss_scaler_state()}, args=self.args, consumed_samples=progress.consumed_samples,
+            extra={"progress": asdict(progress), **self._loss_scaler_state()}, args=self.args,
+            consumed_samples=progress.consumed_samples,
             rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, keep_last=self.args.keep_last,
             model_overrides=self._overrides(self._released_weights()))
         if trainer.is_logging_rank:

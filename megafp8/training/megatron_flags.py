@@ -25,8 +25,8 @@ MEGAFP8_ONLY = frozenset({
     "--fp8-self-check", "--master-weight-dtype", "--optimizer-state-dtype", "--keep-last", "--allow-changed-args",
     "--log-dir", "--compile", "--mx-scale-rounding", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard",
     "--fp4-no-2d-weights", "--fp4-guard-fallback", "--fp4-until-iteration", "--fp4-until-fraction", "--fp4-switch-to",
-    "--fp4-switch-gemms", "--kurtosis-warning-ratio", "--kurtosis-warning-window", "--no-pre-norm", "--post-norm", "--freeze-qk-layernorm",
-    "--softmax-scale", "--embedding-scale",
+    "--fp4-switch-gemms", "--kurtosis-warning-ratio", "--kurtosis-warning-window", "--no-pre-norm", "--post-norm",
+    "--freeze-qk-layernorm", "--softmax-scale", "--embedding-scale",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).

@@ -304,8 +304,8 @@ class Trainer:
                 telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
                 if self.recipe is not None:  # the saturation guard reads telemetry every step
                     enable_fp8_telemetry(self.ddp.module, self.guard is not None or telemetry)
-                    if args.log_fp8_telemetry:  # the inputs' moments on telemetry iterations only (kurtosis.py)
-                        enable_kurtosis(self.ddp.module, telemetry)
+                    if telemetry:  # the inputs' moments on this step only; _collect_telemetry turns them off
+                        enable_kurtosis(self.ddp.module, True)
                 lr = self.schedule(p.consumed_samples)
                 self.profiler.before_iteration(p.iteration)
                 loss, updated, grad_norm = self.train_step()
@@ -317,7 +317,9 @@ class Trainer:
                 self._new_skipped += skipped
                 # NaN iterations: a NaN loss or grad norm; under --fp16 the loss only (an overflow is the scaler's
                 # business, as Megatron counts it: skipped, not NaN).
-                finite = torch.isfinite(loss.to(device)) & (torch.isfinite(grad_norm) | (self.loss_scaler is not None))
+                finite = torch.isfinite(loss.to(device))
+                if self.loss_scaler is None:
+                    finite &= torch.isfinite(grad_norm)
                 self._new_nan += skipped & ~finite
                 if p.iteration % args.log_interval == 0:
                     # Read first: on a GPU the host runs ahead, and the read waits for the window's last step.
@@ -428,6 +430,7 @@ class Trainer:
         tp = self.ps.tp_group
         kurtosis = collect_kurtosis(self.ddp.module, (lambda t: dist.all_reduce(t, group=tp.group))
                                     if tp.size > 1 else None)
+        enable_kurtosis(self.ddp.module, False)
         if self.is_logging_rank:
             for message in self.kurtosis_warning.check(self.progress.iteration, kurtosis):
                 print(f" {message}", flush=True)
