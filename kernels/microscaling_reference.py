@@ -130,7 +130,12 @@ def _mx_encode_factor(biased: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 448 * 6 / amax of the whole tensor (fp32 scalar): 1 if amax is 0, NaN if amax is not finite."""
-    amax = amax.float().reshape(())
+    return nvfp4_encode_scales(amax.reshape(()))
+
+
+def nvfp4_encode_scales(amax: torch.Tensor) -> torch.Tensor:
+    """nvfp4_encode_scale of each element of `amax` (the tensor amaxes of several weights, same bits)."""
+    amax = amax.float()
     s_enc = torch.clamp(torch.full_like(amax, NVFP4_SCALE_MAX * E2M1.max) / amax, max=FLOAT32_MAX)
     s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
     return torch.where(torch.isfinite(amax), s_enc, torch.full_like(s_enc, float("nan")))
@@ -258,6 +263,6 @@ def dequantize_microscaled(data: torch.Tensor, scale: torch.Tensor, fmt: Element
 __all__ = [
     "E8M0_BIAS", "HADAMARD_SIZE", "NVFP4_16X16", "NVFP4_1X16", "block_amax", "block_scale_values", "dequantize_microscaled", "e2m1_codes",
     "e2m1_values", "e8m0_exponents", "e8m0_values", "hadamard_matrix", "hadamard_signs", "mx_quantize_copy",
-    "nvfp4_encode_scale", "nvfp4_quantize_copy", "pack_e2m1", "random_hadamard_transform", "transposed_key",
-    "unpack_e2m1",
+    "nvfp4_encode_scale", "nvfp4_encode_scales", "nvfp4_quantize_copy", "pack_e2m1", "random_hadamard_transform",
+    "transposed_key", "unpack_e2m1",
 ]

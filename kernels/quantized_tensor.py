@@ -8,7 +8,7 @@ import torch
 
 from .formats import ElementFormat, ScaleFormat, ScaleLayout, element_format, scale_layout
 from .gemm_reference import dequantize
-from .microscaling_reference import block_scale_values, dequantize_microscaled
+from .microscaling_reference import block_scale_values, dequantize_microscaled, pack_e2m1, unpack_e2m1
 from .scaling import Fp8Quantized, Granularity, layout_granularity
 
 
@@ -89,8 +89,7 @@ class QuantizedTensor:
         if self.data_t is not None:
             return self
         if self.is_microscaled:
-            raise NotImplementedError(f"a {self.layout.name} tensor's transposed copy is quantized from high precision "
-                                      "(quantize_microscaled(..., transpose=True)), not derived from its row-major copy")
+            return self._microscaled_with_transpose()
         data, scale_inv = self.row_major()
         if self.layout.transpose_is_relayout:
             return replace(self, data_t=data.t().contiguous(), scale_inv_t=scale_inv.t().contiguous())
@@ -98,6 +97,19 @@ class QuantizedTensor:
 
         q = quantize(self.dequantize().t(), self.format.dtype, self.granularity, power_of_2_scale=power_of_2_scale)
         return replace(self, data_t=q.data, scale_inv_t=q.scale_inv)
+
+    def _microscaled_with_transpose(self) -> QuantizedTensor:
+        """Square tiles under one per-tensor scale (NVFP4's 16x16 weights): every code and scale moved, as
+        quantize_microscaled(..., transpose=True) moves them. 1xN blocks group along the other axis: refused."""
+        if not self.layout.transpose_is_relayout or self.data is None:
+            raise NotImplementedError(f"a {self.layout.name} tensor's transposed copy is quantized from high precision "
+                                      "(quantize_microscaled(..., transpose=True)), not derived from its row-major "
+                                      "copy")
+        codes = unpack_e2m1(self.data) if self.format.bits == 4 else self.data
+        data_t = codes.t().contiguous()
+        return replace(self, data_t=pack_e2m1(data_t) if self.format.bits == 4 else data_t,
+                       scale_inv_t=self.scale_inv.t().contiguous(),
+                       global_scale_inv_t=None if self.global_scale_inv is None else self.global_scale_inv.clone())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.is_microscaled:

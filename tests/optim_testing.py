@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megafp8.model import GPTModel, ModelConfig
 from megafp8.optim import DistributedOptimizer
@@ -89,3 +90,29 @@ def make_ddp(model, ps, **config_kw) -> DistributedDataParallel:
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+
+def full_masters(opt) -> dict[str, torch.Tensor]:
+    """Every parameter's master weight (fp32), assembled from all DP ranks' optimizer state dicts."""
+    mine = {name: (e["start"], e["numel"], e["master.values"].float() / e["master_scale"])
+            for name, e in opt.state_dict()["fragments"].items()}
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, mine)
+    full = {}
+    for shard in shards:
+        for name, (start, numel, values) in shard.items():
+            full.setdefault(name, torch.zeros(numel))[start:start + values.numel()] = values
+    return full
+
+
+def assert_forward_equals_one_rank_model(model, ddp, cfg, ps, full: dict[str, torch.Tensor], **model_kw) -> None:
+    """The forward on the weights the layers were handed equals a one-rank model that holds the full master weights
+    (``full_masters``) and quantizes them itself, bit for bit."""
+    names = ddp.param_names
+    reference = build(cfg, ParallelState().init_process_groups(), **model_kw)
+    state = model.state_dict()
+    state.update({names[p]: full[names[p]].view(p.shape) for p in ddp.fp8_params})
+    reference.load_state_dict(state)
+    ids, labels = local_micro_batches(cfg, 99, ps.dp_group.size, ps.dp_group.rank)[0]
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels), reference(ids, labels))

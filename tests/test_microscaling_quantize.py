@@ -167,3 +167,22 @@ def test_bytes_are_the_analytic_size_against_bf16(layout, fmt, ratio):
     extra = 8 if layout.two_level else 0
     assert q.nbytes - extra == ratio * 2 * rows * cols * 2
     assert q.logical_numel == rows * cols and not math.isnan(q.dequantize().sum().item())
+
+
+def test_a_16x16_nvfp4_tensor_derives_its_transposed_copy_by_moving_bytes():
+    """QuantizedTensor.with_transpose (what a layer does with an NVFP4 weight handed over by --fp4-param-gather) gives
+    the transposed copy quantize_microscaled(..., transpose=True) makes; a 1x16 or 1x32 copy is refused (its groups
+    run along the other axis: that copy is quantized from high precision)."""
+    from dataclasses import replace
+
+    x = torch.randn(48, 80) * torch.logspace(-2, 2, 80)
+    full = quantize_microscaled(x, E2M1, NVFP4_16X16, transpose=True)[0]
+    derived = replace(full, data_t=None, scale_inv_t=None, global_scale_inv_t=None).with_transpose()
+    assert torch.equal(derived.data_t, full.data_t)
+    assert torch.equal(derived.scale_inv_t.view(torch.uint8), full.scale_inv_t.view(torch.uint8))
+    assert torch.equal(derived.global_scale_inv_t, full.global_scale_inv_t)
+    assert torch.equal(derived.dequantize(), full.dequantize())
+    for fmt, layout in ((E2M1, NVFP4_1X16), (E4M3, MX_1X32)):
+        row_major = quantize_microscaled(x, fmt, layout)[0]
+        with pytest.raises(NotImplementedError, match="quantized from high precision"):
+            row_major.with_transpose()

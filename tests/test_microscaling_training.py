@@ -86,6 +86,12 @@ def test_3d_run_tracks_fp32_resumes_bit_exact_and_reshards(recipe, data_prefix, 
     assert ("FP4 e2m1 " + recipe if recipe != "mxfp8" else "MXFP8 e4m3") in out
     straight = _losses(tmp_path / "straight")
     _assert_tracks(straight, fp32_3d, LOSS_RTOL[recipe])
+    if recipe == "nvfp4":
+        # The ZeRO gather of packed NVFP4 bytes: the weights the layers get are the bytes they would quantize from
+        # the fp32 weight themselves, so the run is the same bit for bit, and the resume below runs with it too.
+        run.append("--fp4-param-gather")
+        _run(8, *run, *LAYOUT_3D, "--log-dir", str(tmp_path / "gathered"))
+        assert _losses(tmp_path / "gathered") == straight
 
     ckpt = str(tmp_path / "ckpt")
     _run(8, *run, *LAYOUT_3D, "--exit-interval", "3", "--save", ckpt, "--log-dir", str(tmp_path / "first"))
@@ -122,7 +128,9 @@ def test_fp4_ablation_switches_change_the_bits_and_still_train(data_prefix, tmp_
 
 @pytest.mark.parametrize("flags, message", [
     (["--fp4-recipe", "mxfp4"], "--fp4-recipe needs --fp4-format e2m1"),
-    (["--fp4-format", "e2m1", "--fp4-param-gather"], "--fp4-param-gather: gathering FP4 weights is not implemented"),
+    (["--fp4-format", "e2m1", "--fp4-recipe", "mxfp4", "--fp4-param-gather"], "--fp4-param-gather needs --fp4-format"),
+    (["--fp4-format", "e2m1", "--fp4-no-2d-weights", "--fp4-param-gather"], "--fp4-param-gather with --fp4-no-2d"),
+    (["--fp4-format", "e2m1", "--fp8-param-gather"], "--fp8-param-gather with --fp4-format"),
     (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"], "--fp8-param-gather with the mxfp8"),
     (["--fp4-format", "e2m1", "--compile"], "--compile with the nvfp4 recipe"),
     (["--fp4-format", "e2m1", "--seq-length", "9", "--micro-batch-size", "1", "--global-batch-size", "2"],
@@ -167,13 +175,21 @@ def test_precision_schedule_switches_once_and_a_resume_across_the_switch_is_bit_
     assert _losses(tmp_path / "resumed") == {i: straight[i] for i in (3, 4, 5, 6)}
 
     # fprop-only: iteration 4's forward (its loss) is the full switch's, its NVFP4 backward makes 5 and 6 differ.
+    others = {}
     for variant, differ_from in ((["--fp4-switch-gemms", "fprop"], (5, 6)), (["--fp4-switch-to", "mxfp8"], (4, 5, 6))):
         log_dir = tmp_path / variant[1]
         _run(1, *scheduled, *variant, "--log-dir", str(log_dir))
-        other = _losses(log_dir)
+        other = others[variant[1]] = _losses(log_dir)
         assert [other[i] for i in (1, 2, 3)] == [plain[i] for i in (1, 2, 3)], variant
         assert all(other[i] != straight[i] for i in differ_from), variant
         _assert_tracks(other, straight, LOSS_RTOL["nvfp4"])
+
+    # Under --fp4-param-gather the weights gathered as NVFP4 bytes go back to a high-precision gather at the switch
+    # (to BF16, or to MXFP8, whose weights are not gathered as bytes): the same bits as without it.
+    for variant, reference in (([], straight), (["--fp4-switch-to", "mxfp8"], others["mxfp8"])):
+        log_dir = tmp_path / ("gathered" + "".join(variant))
+        _run(1, *scheduled, *variant, "--fp4-param-gather", "--log-dir", str(log_dir))
+        assert _losses(log_dir) == reference, variant
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from distributed_testing import run_distributed
-from optim_testing import build, local_micro_batches, make_ddp, tiny_config, train_step
+from optim_testing import assert_forward_equals_one_rank_model, build, full_masters, local_micro_batches, make_ddp, \
+    tiny_config, train_step
 from megafp8.fp8 import Fp8Recipe
 from megafp8.optim import DistributedOptimizer
 from megafp8.optim import fp8_publication
@@ -29,19 +30,6 @@ RECIPES = {"delayed": Fp8Recipe.delayed(amax_history_len=4), "tensorwise": Fp8Re
 def _config():
     # hidden 160: weights of 2-4 x 2 blocks of 128 x 128, partial ones included, which DP shards cut.
     return tiny_config(num_layers=1, hidden_size=160, ffn_hidden_size=160, num_attention_heads=4)
-
-
-def _full_masters(opt) -> dict[str, torch.Tensor]:
-    """Every parameter's master weight (fp32), assembled from all DP ranks' optimizer state dicts."""
-    mine = {name: (e["start"], e["numel"], e["master.values"].float() / e["master_scale"])
-            for name, e in opt.state_dict()["fragments"].items()}
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, mine)
-    full = {}
-    for shard in shards:
-        for name, (start, numel, values) in shard.items():
-            full.setdefault(name, torch.zeros(numel))[start:start + values.numel()] = values
-    return full
 
 
 def _train(cfg, ps, scaling, overlap):
@@ -77,7 +65,7 @@ def _fp8_gather_body(rank, world_size):
         if scaling != "rowwise":  # rowwise adds 4 B per row of 160: 0.5125x here, more for narrow rows
             assert fp8_bytes <= 0.52 * (2 * fp8_elems // n * (n - 1)), scaling
 
-        full = _full_masters(opt)
+        full = full_masters(opt)
         for p, info in ddp.fp8_params.items():
             assert p.untyped_storage().nbytes() <= p.element_size(), "no high-precision copy of an FP8 weight"
             q = info.module.fp8_weight_quantization(info.recipe)
@@ -91,13 +79,7 @@ def _fp8_gather_body(rank, world_size):
 
         if scaling == "delayed":
             # The forward on the gathered FP8 weights equals a one-rank model holding the full master weights.
-            reference = build(cfg, ParallelState().init_process_groups(), fp8_recipe=RECIPES[scaling])
-            state = model.state_dict()
-            state.update({names[p]: full[names[p]].view(p.shape) for p in ddp.fp8_params})
-            reference.load_state_dict(state)
-            ids, labels = local_micro_batches(cfg, 99, n, ps.dp_group.rank)[0]
-            with torch.no_grad():
-                assert torch.equal(model(ids, labels), reference(ids, labels))
+            assert_forward_equals_one_rank_model(model, ddp, cfg, ps, full, fp8_recipe=RECIPES[scaling])
 
 
 @pytest.mark.distributed

@@ -23,7 +23,8 @@ HF_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", 
                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # the training flags that say how the weights were trained (their names in the manifest and the training entry)
 RECIPE_FLAGS = ("fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
-                "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp8_saturation_guard", "bf16",
+                "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp4_param_gather",
+                "fp8_saturation_guard", "bf16",
                 "activation", "master_weight_dtype", "optimizer_state_dtype")
 RECIPE_KEY = "megafp8_training_recipe"  # config.json key; transformers keeps unknown keys through save_pretrained
 # megafp8's FP8 linears (the saturation guard's layer names) -> the HF linears they become

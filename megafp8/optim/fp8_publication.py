@@ -13,6 +13,12 @@ step, or a load of an empty history) is observed one weight at a time: its host-
 With the optimizer's fused step (``opt.fused_step``) the slabs' decode, scatter and cast run as two Triton launches
 over all FP8 groups instead (megafp8.optim.fused_fp8_publication: group amaxes, then the bytes straight into
 fp8_data); the slabs are this path's torch twin and the CPU storage's path.
+
+--fp4-param-gather (NVFP4's 16x16 weight tiles) takes the slabs' path with a tile per slot: the same scatter and
+MAX all-reduce give every tile's amax, each weight's tensor amax is the MAX of its tiles (so TransformerEngine's
+all-reduced global amax costs no second collective), and the cast follows TE's scale chain (nvfp4_quantize_copy:
+S_enc per weight, E4M3 tile scales, round to nearest) and packs two E2M1 codes per byte. The bytes, tile scales and
+decode scale equal quantize_microscaled of the whole weight on one rank.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from megafp8.optim.storage_slabs import STEP_SLAB, cut_into_slabs
 from megafp8.parallel import collectives as C
 from megafp8.parallel.grad_buffer import BYTE_BITS
 from megafp8_kernels import fp8_format, scale_from_amax, scale_shape
+from megafp8_kernels.formats import E2M1
+from megafp8_kernels.microscaling_reference import NVFP4_SCALE_MAX, e2m1_codes, nvfp4_encode_scales, pack_e2m1
+from megafp8_kernels.scaling import FLOAT32_MAX
 
 SLAB_GROUPS = STEP_SLAB // GROUP  # the step's slab: bounds the per-element temporaries, not the op count's growth
 
@@ -91,6 +100,10 @@ class Fp8Publication:
                                                      torch.tensor(sizes + [1], device=device),
                                                      output_size=self.num_slots + 1)
         self.dtypes = sorted({info.recipe.dtype("weight") for info in ddp.fp8_params.values()}, key=str)
+        layouts = {info.recipe.quantizer("weight").layout for info in ddp.fp8_params.values()}
+        self.nvfp4 = any(layout.two_level for layout in layouts)
+        if self.nvfp4 and len(layouts) > 1:  # data_parallel demotes a gathered FP4 weight that changes recipe
+            raise NotImplementedError(f"one publication of NVFP4 and other weights: {sorted(l.name for l in layouts)}")
         # Per fragment (then a padding row): slot base, cols, row divisor, groups per band, col divisor, numel, dtype.
         rows = [[self.num_slots, 1, 1, 1, 1, 0, 0] for _ in range(len(opt.fragments) + 1)]
         fp8_frags = sorted((f for f in opt.fragments if f.param in position), key=lambda f: f.storage_lo)
@@ -102,16 +115,21 @@ class Fp8Publication:
         self.lane = torch.arange(GROUP, device=device)
         runs = _contiguous_runs(fp8_frags)
         packed = sorted({bucket.fp8_bits for _g0, _n, bucket, _pos in runs} - {BYTE_BITS})
-        if packed:  # the offsets count bytes already; the cast writes one byte per element
+        if packed and not self.nvfp4:  # the offsets count bytes already; the FP8 cast writes one byte per element
             raise NotImplementedError(f"--fp8-param-gather publishes one byte per element, not {packed}-bit weights")
-        self.fused = _fused_tables(runs, self.dtypes, device) if opt.fused_step and runs else None
+        # The fused launches cast to FP8 only: NVFP4 weights take the slabs (their twin's ops, a fixed number per slab).
+        self.fused = _fused_tables(runs, self.dtypes, device) if opt.fused_step and runs and not self.nvfp4 else None
         self.slabs = [] if self.fused is not None else _make_slabs(runs, device)
         # The layers' dequantization scales: views of one flat tensor, rewritten in place by every publish.
-        self.scale_inv = torch.zeros(self.num_slots, device=device)
-        for p, base, n in zip(self.params, bases, sizes):
+        # NVFP4: E4M3 tile scales and one fp32 decode scale (1 / S_enc) per weight.
+        self.scale_inv = torch.zeros(self.num_slots, device=device,
+                                     dtype=torch.float8_e4m3fn if self.nvfp4 else torch.float32)
+        self.global_scale_inv = torch.zeros(len(self.params), device=device) if self.nvfp4 else None
+        for j, (p, base, n) in enumerate(zip(self.params, bases, sizes)):
             info = ddp.fp8_params[p]
             info.scale_inv = self.scale_inv[base:base + n].view(
                 scale_shape(p.shape[0], p.shape[1], info.recipe.granularity("weight")))
+            info.global_scale_inv = self.global_scale_inv[j] if self.nvfp4 else None
         self._plans: dict[tuple[bool, ...], _ScalePlan] = {}
         self._warm_index: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -130,7 +148,8 @@ class Fp8Publication:
             self._publish_fused(quant, plan, amax, scale)
         else:
             self._publish_slabs(quant, plan, amax, scale)
-        torch.div(torch.ones_like(self.scale_inv), scale[:self.num_slots], out=self.scale_inv)  # IEEE 1 / scale
+        if not self.nvfp4:  # (NVFP4's tile and tensor scales were written with the cast's multipliers)
+            torch.div(torch.ones_like(self.scale_inv), scale[:self.num_slots], out=self.scale_inv)  # IEEE 1 / scale
 
     def _publish_fused(self, quant, plan: _ScalePlan, amax: torch.Tensor, scale: torch.Tensor) -> None:
         """Two launches over every FP8 group (amax, cast) around the torch steps on the [num_slots] vectors."""
@@ -178,7 +197,7 @@ class Fp8Publication:
 
         cur_slots = slots_of(current)
         combos, owner_of = [], {}
-        for j in current:
+        for j in current if not self.nvfp4 else ():  # (NVFP4: one scale chain for every weight)
             owner_of.setdefault((fp8_format(quant[j].fp8_dtype).max, quant[j].power_of_2_scale), []).append(j)
         for k, ((fmax, pow2), js) in enumerate(owner_of.items()):
             members = set(slots_of(js))
@@ -225,7 +244,9 @@ class Fp8Publication:
         """The slab's FP8 bytes into fp8_data (``values`` is consumed)."""
         per_element = scale[slots]
         del slots
-        if len(self.dtypes) == 1:
+        if self.nvfp4:  # E2M1 codes of x * encode, two per byte (a row's even-odd pairs: K and the 128-groups are even)
+            out = pack_e2m1(e2m1_codes(values.mul_(per_element)))
+        elif len(self.dtypes) == 1:
             out = cast_to_fp8(values, per_element, self.dtypes[0])
         else:  # weights in several FP8 formats: each element cast in its own
             dtype_id = self.frag_table[self.opt._frag_of_group[slab.groups], 6][:, None]
@@ -262,6 +283,9 @@ class Fp8Publication:
         """Current scaling (or a cold delayed state): one MAX all-reduce over DP of the group amaxes."""
         reduced = amax[:self.num_slots] if plan.current_slots is None else amax[plan.current_slots]
         C.all_reduce(reduced, self.opt.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
+        if self.nvfp4:
+            self._nvfp4_scales(reduced, scale)
+            return
         infos, views = self.ddp_infos(), None
         for k, j in enumerate(plan.current):
             tp_sync = infos[self.params[j]].module.sharded_amax_sync() if quant[j].state is not None else None
@@ -276,6 +300,23 @@ class Fp8Publication:
             scale[:self.num_slots].copy_(current)
         else:
             scale.index_copy_(0, plan.current_slots, current)
+
+
+    def _nvfp4_scales(self, tile_amax: torch.Tensor, scale: torch.Tensor) -> None:
+        """TE's NVFP4 chain from the agreed tile amaxes (nvfp4_quantize_copy's ops, elementwise over every weight's
+        tiles): S_enc = 448 * 6 / tensor amax, tile scale e4m3(min(amax * (S_enc * (1/6)), 448)), and the cast's
+        multiplier min(1 / (tile scale * (1 / S_enc)), FLOAT32_MAX) into ``scale``."""
+        n = self.num_slots
+        tensor_amax = tile_amax.new_zeros(len(self.params)).scatter_reduce_(0, self.param_of_slot[:n], tile_amax,
+                                                                            "amax")
+        s_enc = nvfp4_encode_scales(tensor_amax)
+        s_dec_global = torch.ones_like(s_enc) / s_enc
+        self.global_scale_inv.copy_(s_dec_global)
+        multiplier = s_enc * (torch.ones_like(s_enc) / E2M1.max)
+        s_block = torch.clamp(tile_amax * multiplier[self.param_of_slot[:n]], max=NVFP4_SCALE_MAX)
+        self.scale_inv.copy_(s_block)  # rounded to E4M3 once (NaN stays NaN)
+        encode = torch.ones_like(s_block) / (self.scale_inv.float() * s_dec_global[self.param_of_slot[:n]])
+        scale[:n].copy_(torch.clamp(encode, max=FLOAT32_MAX))
 
 
 def publication_key(fp8_params) -> tuple[tuple[int, object], ...]:

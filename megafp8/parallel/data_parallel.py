@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from megafp8.fp8 import Float8Tensor, Fp8GemmModule, Fp8Recipe, PrecisionChange, plan_of, precision_plans
+from megafp8.fp8.precision_plan import weight_format_bits
 from megafp8.parallel import collectives as C
 from megafp8.parallel.collectives import GroupHandle
 from megafp8.parallel.fp8_grad_reduce import fp8_reduce_scatter_async
@@ -46,7 +47,8 @@ from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.placement import attach_placements, placement_of
 from megafp8.parallel.switched_weight import SwitchedWeight
 
-__all__ = ["ALIGN", "Bucket", "DDPConfig", "DistributedDataParallel", "Fp8ParamInfo", "tensor_bytes"]
+__all__ = ["ALIGN", "Bucket", "DDPConfig", "DistributedDataParallel", "Fp8ParamInfo", "gathers_as_bytes",
+           "tensor_bytes"]
 
 
 @dataclass
@@ -82,7 +84,8 @@ class DDPConfig:
         return cls(use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
                    overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
                    overlap_param_gather=getattr(args, "overlap_param_gather", False),
-                   fp8_param_gather=getattr(args, "fp8_param_gather", False),
+                   fp8_param_gather=getattr(args, "fp8_param_gather", False)
+                   or getattr(args, "fp4_param_gather", False),  # one gather path: the weight's recipe picks the bytes
                    grad_reduce_in_bf16=getattr(args, "grad_reduce_in_bf16", False),
                    fp8_grad_reduce=getattr(args, "fp8_grad_reduce", False),
                    bucket_size=getattr(args, "ddp_bucket_size", None), fp8_recipe=fp8_recipe,
@@ -96,6 +99,17 @@ class Fp8ParamInfo:
     module: Fp8GemmModule
     recipe: Fp8Recipe
     scale_inv: torch.Tensor | None = None  # written by the optimizer; identical on every DP rank
+    global_scale_inv: torch.Tensor | None = None  # NVFP4's per-tensor decode scale (--fp4-param-gather)
+
+
+def gathers_as_bytes(recipe: Fp8Recipe) -> bool:
+    """Whether a weight under ``recipe`` is all-gathered as its quantized bytes: the FP8 recipes, and NVFP4's 16x16
+    weight tiles (one copy serves fprop and dgrad). An MX weight's 1x32 copy and its transposed copy are each
+    quantized from high precision (their groups run along different axes): gathering both would cost 2.06 bytes per
+    element, more than BF16's 2, so such a weight is gathered in high precision (Megatron-Core gathers MXFP8
+    weights in BF16 too)."""
+    layout = recipe.quantizer("weight").layout
+    return not recipe.is_microscaled or (layout.two_level and layout.transpose_is_relayout)
 
 
 def _fp8_params(module: nn.Module, default_recipe: Fp8Recipe | None) -> dict[nn.Parameter, Fp8ParamInfo]:
@@ -155,7 +169,8 @@ class DistributedDataParallel(nn.Module):
         self.backward_passes = {p: n for p, n in uses.items() if n > 1}
         # The weights gathered as FP8 bytes: those of FP8 layers, until the saturation guard switches one
         # (take_guard_switches moves it to switched_weights; its bucket keeps the FP8 layout).
-        self.fp8_params = _fp8_params(module, self.config.fp8_recipe) if self.config.fp8_param_gather else {}
+        self.fp8_params = {p: info for p, info in _fp8_params(module, self.config.fp8_recipe).items()
+                           if gathers_as_bytes(info.recipe)} if self.config.fp8_param_gather else {}
         self.switched_weights: dict[nn.Parameter, SwitchedWeight] = {}
         # The chunks' precision plans tell this wrapper of every layer they move (no polling of the layers): a weight
         # gathered as FP8 whose layer went to high precision waits here until take_guard_switches moves it.
@@ -219,10 +234,14 @@ class DistributedDataParallel(nn.Module):
     @staticmethod
     def _widest_weight_bits(info: Fp8ParamInfo) -> int:
         """Bits per element a weight's FP8 bytes are sized for: the widest format on its layer's precision ladder (a
-        layer moved down the ladder later still fits its bucket), or its recipe's format for a layer without one."""
+        layer moved down the ladder later still fits its bucket), or its recipe's format for a layer without one. An
+        FP4 weight's bucket is packed at 4 bits: a move to any other recipe gathers it in high precision instead."""
+        own = weight_format_bits(info.recipe)
+        if own < BYTE_BITS:
+            return own
         plan = plan_of(info.module)
         widest = plan.widest_bits(plan.name_of(info.module), lambda r: fp8_bits(r.dtype("weight"))) if plan else None
-        return widest if widest is not None else fp8_bits(info.recipe.dtype("weight"))
+        return widest if widest is not None else own
 
     def _on_precision_change(self, changes: list[PrecisionChange]) -> None:
         """A plan moved layers: record the FP8-gathered weights that left FP8, follow the recipe of those that stay."""
@@ -231,10 +250,12 @@ class DistributedDataParallel(nn.Module):
             info = self.fp8_params.get(weight) if isinstance(weight, nn.Parameter) else None
             if info is None:
                 continue
-            if change.new is None:
+            bits = self.bucket_of[weight].fp8_bits
+            if change.new is None or (bits < BYTE_BITS and change.new != info.recipe) \
+                    or not gathers_as_bytes(change.new):  # its layer quantizes a high-precision weight itself
                 self.demoted_fp8_params[weight] = None
                 continue
-            if fp8_bits(change.new.dtype("weight")) != self.bucket_of[weight].fp8_bits:
+            if weight_format_bits(change.new) != bits:
                 # Its bucket's bytes are addressed at one rate: a narrower rung needs per-weight addressing first.
                 raise NotImplementedError(f"--fp8-param-gather: {self.param_names[weight]} moved to a weight format of "
                                           f"another width than its bucket's {self.bucket_of[weight].fp8_bits} bits")
@@ -440,10 +461,10 @@ class DistributedDataParallel(nn.Module):
             info = self.fp8_params.get(p)
             if info is None:  # switched to high precision by the saturation guard
                 continue
-            fp8_dtype = info.recipe.dtype("weight")
-            data = bucket.fp8_slice(*bucket.ranges[p]).view(fp8_dtype).view(packed_shape(p.shape, bucket.fp8_bits))
-            info.module.set_fp8_weight(Float8Tensor(tuple(p.shape), fp8_dtype, info.recipe.granularity("weight"),
-                                                    data, info.scale_inv))
+            fmt = info.recipe.quantizer("weight").format  # E2M1 is stored as uint8, two per byte
+            data = bucket.fp8_slice(*bucket.ranges[p]).view(fmt.dtype).view(packed_shape(p.shape, bucket.fp8_bits))
+            info.module.set_fp8_weight(Float8Tensor(tuple(p.shape), fmt, info.recipe.granularity("weight"),
+                                                    data, info.scale_inv, global_scale_inv=info.global_scale_inv))
 
     def _inject_fp8_weights_all(self) -> None:
         for bucket in self.buckets:
@@ -456,7 +477,8 @@ class DistributedDataParallel(nn.Module):
         tensors = list(self.grad_buffers)
         for bucket in self.buckets:
             tensors += [t for t in (bucket.param_data, bucket.fp8_data) if t is not None]
-        tensors += [info.scale_inv for info in self.fp8_params.values() if info.scale_inv is not None]
+        tensors += [t for info in self.fp8_params.values() for t in (info.scale_inv, info.global_scale_inv)
+                    if t is not None]
         tensors += [t for sw in self.switched_weights.values() for t in (sw.shard, sw.weight)]
         return tensors
 

@@ -20,7 +20,9 @@ def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
                    help="nvfp4 (E4M3 scale per 16 under an fp32 tensor scale, 16x16 weight tiles, stochastic rounding "
                         "of gradients, Hadamard transform on the wgrad operands) or mxfp4 (E8M0 scale per 32)")
     g.add_argument("--fp4-param-gather", action="store_true",
-                   help="the distributed optimizer would gather FP4 weights (not implemented yet: refused)")
+                   help="nvfp4: the distributed optimizer casts each owned shard of an FP4 layer's weight straight to "
+                        "NVFP4 and all-gathers packed E2M1 bytes (two per byte) instead of high-precision values: "
+                        "0.27x BF16's bytes with the tile amaxes' MAX all-reduce (needs --use-distributed-optimizer)"),
     g.add_argument("--mx-scale-rounding", choices=("ceil", "floor"), default="ceil",
                    help="mxfp8/mxfp4 block scales: ceil (RCEIL, as TransformerEngine and cuBLAS: a block's maximum "
                         "never saturates) or floor (the OCP spec's rule, for comparison)")
@@ -66,13 +68,8 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
     elif "--fp8-recipe" in given:
         errors.append("--fp8-recipe with --fp4-format: the run's recipe is --fp4-recipe's (layers kept out of FP4 run "
                       "in BF16, --first-last-layers-bf16)")
-    if args.fp4_param_gather:
-        errors.append("--fp4-param-gather: gathering FP4 weights is not implemented yet; the distributed optimizer "
-                      "gathers high-precision weights under the FP4 recipes (leave it out)")
+    errors += _param_gather_errors(args)
     microscaled = args.fp8_format is not None and SCALING_RULES[args.fp8_recipe].build is not None
-    if microscaled and args.fp8_param_gather:
-        errors.append(f"--fp8-param-gather with the {args.fp8_recipe} recipe: gathering microscaled weights is not "
-                      "implemented yet (leave it out: the weights are gathered in high precision)")
     if microscaled and getattr(args, "compile", False):
         errors.append(f"--compile with the {args.fp8_recipe} recipe: the microscaled casts run eagerly for now "
                       "(leave --compile out)")
@@ -99,6 +96,36 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
             errors.append(f"--fp4-format: the Hadamard transform runs along the tokens of a micro-batch in blocks of "
                           f"{HADAMARD_SIZE}; --micro-batch-size x --seq-length (/ --context-parallel-size) = {tokens} "
                           "is not a multiple (or pass --fp4-no-hadamard)")
+    return errors
+
+
+def _param_gather_errors(args: argparse.Namespace) -> list[str]:
+    """--fp4-param-gather gathers NVFP4's 16x16 weight tiles; an MX weight's two copies are each quantized from high
+    precision (1x32 groups along different axes), so gathering them would cost more bytes than BF16."""
+    errors = []
+    if args.fp4_param_gather:
+        if args.fp4 is None or args.fp4_recipe != "nvfp4":
+            errors.append("--fp4-param-gather needs --fp4-format e2m1 --fp4-recipe nvfp4 (an MX weight's row-wise and "
+                          "column-wise copies are each quantized from high precision: gathering both as bytes would "
+                          "cost 2 x 0.53 bytes per element plus amaxes, so MXFP4 weights are gathered in high "
+                          "precision)")
+        elif args.fp4_no_2d_weights:
+            errors.append("--fp4-param-gather with --fp4-no-2d-weights: 1x16 weights need a second copy quantized from "
+                          "high precision for dgrad; the gather carries the 16x16 tiles that serve both GEMMs")
+        if not args.use_distributed_optimizer:
+            errors.append("--fp4-param-gather needs --use-distributed-optimizer (the owner of each shard casts it)")
+        if args.fp4_until_iteration is not None or args.fp4_until_fraction is not None:
+            if args.fp4_switch_gemms == "fprop":
+                errors.append("--fp4-param-gather with --fp4-switch-gemms fprop: after the switch the forward needs "
+                              "the high-precision weight and dgrad the FP4 one; switch all GEMMs")
+    if args.fp8_param_gather and args.fp4 is not None:
+        errors.append("--fp8-param-gather with --fp4-format: FP4 weights are gathered with --fp4-param-gather "
+                      "(Megatron-LM's flag)")
+    elif args.fp8_param_gather and args.fp8_format is not None and args.fp8_recipe == "mxfp8":
+        errors.append("--fp8-param-gather with the mxfp8 recipe: an MXFP8 weight's 1x32 copy and its transposed copy "
+                      "are each quantized from high precision, so gathering both as bytes (2.06 bytes per element) "
+                      "costs more than BF16's 2; leave it out: the weights are gathered in high precision, as "
+                      "Megatron-Core does for MXFP8")
     return errors
 
 

@@ -18,16 +18,19 @@ import torch
 import torch.distributed as dist
 
 PRESETS = {
-    # name: (fp8 recipe?, DDP flags, optimizer flags)
+    # name: (recipe of the FP8/FP4 layers or None, DDP flags, optimizer flags)
     "Megatron BF16 (bf16 weights, fp32 grads, fp32 master + Adam)":
-        (False, dict(), dict(master_weight_dtype="fp32", optimizer_state_dtype="fp32")),
+        (None, dict(), dict(master_weight_dtype="fp32", optimizer_state_dtype="fp32")),
     "megafp8 fp8-params (FP8 weight gather, fp32 grads, fp32 master + Adam)":
-        (True, dict(fp8_param_gather=True), dict(master_weight_dtype="fp32", optimizer_state_dtype="fp32")),
+        ("delayed", dict(fp8_param_gather=True), dict(master_weight_dtype="fp32", optimizer_state_dtype="fp32")),
     "megafp8 bf16-states (FP8 weights, bf16 grads, fp32 master, bf16 Adam)":
-        (True, dict(fp8_param_gather=True, grad_reduce_in_bf16=True),
+        ("delayed", dict(fp8_param_gather=True, grad_reduce_in_bf16=True),
          dict(master_weight_dtype="fp32", optimizer_state_dtype="bf16")),
     "megafp8 fp8-states (FP8 weights, bf16 grads, fp16 master, FP8 Adam)":
-        (True, dict(fp8_param_gather=True, grad_reduce_in_bf16=True),
+        ("delayed", dict(fp8_param_gather=True, grad_reduce_in_bf16=True),
+         dict(master_weight_dtype="fp16", optimizer_state_dtype="fp8")),
+    "megafp8 fp4-params (--fp4-param-gather: NVFP4 weights, bf16 grads, fp16 master, FP8 Adam)":
+        ("nvfp4", dict(fp8_param_gather=True, grad_reduce_in_bf16=True),
          dict(master_weight_dtype="fp16", optimizer_state_dtype="fp8")),
 }
 
@@ -45,9 +48,9 @@ def _measure(rank: int, world_size: int, init_file: str, model_kw: dict, queue) 
     ps = ParallelState(world_size=world_size).init_process_groups()
     cfg = ModelConfig(params_dtype=torch.bfloat16, **model_kw)
     results = {}
-    for name, (fp8, ddp_kw, opt_kw) in PRESETS.items():
+    for name, (scaling, ddp_kw, opt_kw) in PRESETS.items():
         torch.manual_seed(0)
-        recipe = Fp8Recipe.delayed() if fp8 else None
+        recipe = Fp8Recipe.named(scaling, fp8_format="e4m3") if scaling else None
         model = GPTModel(cfg, ps, fp8_recipe=recipe)
         fp8_share = sum(m.weight.numel() for m in model.modules() if hasattr(m, "fp8_weight_quantization")
                         and getattr(m, "weight", None) is not None and not m.runs_high_precision)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     model_kw = dict(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                     num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size, seq_length=64)
     columns = {dp: measure(dp, model_kw) for dp in args.dp_sizes}
-    share = next(iter(columns.values()))[list(PRESETS)[-1]][2]
+    share = next(iter(columns.values()))[list(PRESETS)[-2]][2]
     print(f"model: {model_kw}; FP8-eligible parameter share f = {share:.3f}\n")
     print("| preset | " + " | ".join(f"DP={dp} (rank 0 / max)" for dp in args.dp_sizes) + " |")
     print("|---|" + "---|" * len(args.dp_sizes))
