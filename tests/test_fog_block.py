@@ -1,5 +1,6 @@
 """The FOG block's options (issue 32): --no-pre-norm, --post-norm (gains from 1/sqrt(L)), --softmax-scale,
---embedding-scale, with --qk-layernorm. Checked against a plain fp64 re-implementation of the whole model written
+--embedding-scale, with --qk-layernorm, and μnit Scaling's: --unit-scaling (N(0, 1) weights, each linear's output
+times 1/sqrt(fan_in)) and --residual-tau (sqrt(1 - tau) x + sqrt(tau) F(x)). Checked against a plain fp64 re-implementation of the whole model written
 here (logits and every gradient), TP=2 + SP x PP=2 built from scratch against the single-process model, and
 through the training entry: it trains, its checkpoint refuses a resume without the options and an export to
 formats that cannot express the block."""
@@ -23,6 +24,7 @@ from megafp8.training.megatron_flags import LLAMA_FLAGS
 from pipeline_testing import Case, run_case
 
 FOG = dict(pre_norm=False, post_norm=True, qk_layernorm=True, softmax_scale=0.3, embedding_scale=2.0)
+MUS = dict(pre_norm=False, post_norm=True, unit_scaling=True, residual_tau=0.2)
 
 
 def _config(**fields) -> ModelConfig:
@@ -48,11 +50,20 @@ def _reference_logits(p: dict[str, torch.Tensor], c: ModelConfig, ids: torch.Ten
     groups, d = c.num_query_groups, c.head_dim
     r = c.num_attention_heads // groups
     b, s = ids.shape
+
+    def linear(x, weight):  # μnit Scaling: unit weights, the output times 1/sqrt(fan_in)
+        return x @ weight.T / (math.sqrt(weight.shape[1]) if c.unit_scaling else 1.0)
+
+    def residual_add(x, out):
+        if c.residual_tau is None:
+            return x + out
+        return math.sqrt(1 - c.residual_tau) * x + math.sqrt(c.residual_tau) * out
+
     x = p["embedding.weight"][ids] * c.embedding_scale
     for i in range(c.num_layers):
         w = lambda name: p[f"layers.{i}.{name}"]  # noqa: E731
         h = _rms(x, w("input_layernorm.weight"), c.norm_eps) if c.pre_norm else x
-        qkv = (h @ w("self_attention.linear_qkv.weight").T).view(b, s, groups, r + 2, d)
+        qkv = linear(h, w("self_attention.linear_qkv.weight")).view(b, s, groups, r + 2, d)
         q, k, v = qkv[:, :, :, :r].reshape(b, s, groups * r, d), qkv[:, :, :, r], qkv[:, :, :, r + 1]
         if c.qk_layernorm:
             q = _rms(q, w("self_attention.q_layernorm.weight"), c.norm_eps)
@@ -61,24 +72,29 @@ def _reference_logits(p: dict[str, torch.Tensor], c: ModelConfig, ids: torch.Ten
         q, k, v = q.transpose(1, 2), k.repeat_interleave(r, 2).transpose(1, 2), v.repeat_interleave(r, 2).transpose(1, 2)
         scale = c.softmax_scale if c.softmax_scale is not None else d ** -0.5
         scores = (q @ k.transpose(-1, -2) * scale).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -math.inf)
-        a = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1) @ w("self_attention.linear_proj.weight").T
-        x = x + (_rms(a, w("attention_output_layernorm.weight"), c.norm_eps) if c.post_norm else a)
+        a = linear((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1), w("self_attention.linear_proj.weight"))
+        x = residual_add(x, _rms(a, w("attention_output_layernorm.weight"), c.norm_eps) if c.post_norm else a)
         h = _rms(x, w("pre_mlp_layernorm.weight"), c.norm_eps) if c.pre_norm else x
-        gate, up = (h @ w("mlp.linear_fc1.weight").T).chunk(2, -1)
-        m = (F.silu(gate) * up) @ w("mlp.linear_fc2.weight").T
-        x = x + (_rms(m, w("mlp_output_layernorm.weight"), c.norm_eps) if c.post_norm else m)
+        gate, up = linear(h, w("mlp.linear_fc1.weight")).chunk(2, -1)
+        m = linear(F.silu(gate) * up, w("mlp.linear_fc2.weight"))
+        x = residual_add(x, _rms(m, w("mlp_output_layernorm.weight"), c.norm_eps) if c.post_norm else m)
     head = p["embedding.weight"] if c.tie_embeddings else p["output_layer.weight"]
-    return _rms(x, p["final_layernorm.weight"], c.norm_eps) @ head.T
+    return linear(_rms(x, p["final_layernorm.weight"], c.norm_eps), head)
 
 
-@pytest.mark.parametrize("options", [FOG, dict(post_norm=True), dict(pre_norm=False, softmax_scale=1.0)],
-                         ids=["fog", "pre-and-post-norm", "no-norm-fixed-scale"])
+@pytest.mark.parametrize("options", [FOG, dict(post_norm=True), dict(pre_norm=False, softmax_scale=1.0), MUS,
+                                     dict(unit_scaling=True, tie_embeddings=False), dict(residual_tau=0.3)],
+                         ids=["fog", "pre-and-post-norm", "no-norm-fixed-scale", "mus", "unit-scaling", "tau"])
 def test_block_options_match_an_fp64_reimplementation(options):
     config = _config(**options)
     model = GPTModel(config, ParallelState().init_process_groups())
     names = dict(model.named_parameters())
-    if config.post_norm:  # the output norms start at 1/sqrt(L)
-        assert torch.allclose(names["layers.1.mlp_output_layernorm.weight"], torch.full((32,), 2 ** -0.5))
+    if config.post_norm:  # the output norms start at 1/sqrt(L), at 1 under --residual-tau
+        gain = 1.0 if config.residual_tau is not None else 2 ** -0.5
+        assert torch.allclose(names["layers.1.mlp_output_layernorm.weight"], torch.full((32,), gain))
+    if config.unit_scaling:  # unit-variance weights (output projections too), from the model's own init
+        for name in ("embedding.weight", "layers.0.mlp.linear_fc2.weight", "layers.1.self_attention.linear_qkv.weight"):
+            assert 0.8 < names[name].std().item() < 1.2, name
     assert ("layers.0.input_layernorm.weight" in names) == config.pre_norm
     with torch.no_grad():  # gains away from their init, so a swapped or missing norm shows
         for name, param in names.items():
@@ -96,12 +112,13 @@ def test_block_options_match_an_fp64_reimplementation(options):
         assert (grad - want).abs().max() <= 1e-4 * want.abs().max(), name
 
 
-def _pipeline_body(rank: int, world_size: int) -> None:
-    run_case(Case(pp=2, tp=2, sp=True, model=tuple(FOG.items())), world_size)
+def _pipeline_body(rank: int, world_size: int, options: dict) -> None:
+    run_case(Case(pp=2, tp=2, sp=True, model=tuple(options.items())), world_size)
 
 
-def test_fog_block_tp2_sp_pp2_from_scratch_equals_the_single_process_model():
-    run_distributed(_pipeline_body, world_size=4)
+@pytest.mark.parametrize("options", [FOG, MUS], ids=["fog", "mus"])
+def test_block_tp2_sp_pp2_from_scratch_equals_the_single_process_model(options):
+    run_distributed(_pipeline_body, world_size=4, args=(options,))
 
 
 def test_training_entry_trains_the_fog_block_and_keeps_it(tmp_path):

@@ -49,7 +49,8 @@ def test_print_flags_lists_every_parser_flag_by_group():
     assert titles == ["model", "parallelism", "precision and FP8", "optimizer and schedule", "training and data",
                       "checkpoints", "logging", "compile and CUDA graphs", "microscaling and FP4",
                       "Megatron-LM implementation choices (accepted)"]
-    assert "| `--fp8-recipe` | delayed \\| tensorwise \\| rowwise \\| blockwise \\| mxfp8 | `delayed` |" in result.stdout
+    assert "| `--fp8-recipe` | delayed \\| tensorwise \\| rowwise \\| static \\| blockwise \\| mxfp8 | `delayed` |" in \
+        result.stdout
     assert "| `--no-fp8-saturation-guard` | switch |  | turn the saturation guard off" in result.stdout  # no "True"
     assert "| `--fp8-self-check` | switch |" in result.stdout
     bad = subprocess.run([sys.executable, "tools/print_flags.py", "--group", "nope"], cwd=REPO, capture_output=True,

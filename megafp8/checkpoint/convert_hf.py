@@ -241,7 +241,8 @@ def _checkpoint_path(load_dir: Path, iteration: int | None) -> Path:
 
 # The FOG block's options (flag, saved key, the value every exported format assumes).
 _BLOCK_OPTIONS = (("--no-pre-norm", "pre_norm", True), ("--post-norm", "post_norm", False),
-                  ("--softmax-scale", "softmax_scale", None), ("--embedding-scale", "embedding_scale", 1.0))
+                  ("--softmax-scale", "softmax_scale", None), ("--embedding-scale", "embedding_scale", 1.0),
+                  ("--unit-scaling", "unit_scaling", False), ("--residual-tau", "residual_tau", None))
 
 
 def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> ModelConfig:

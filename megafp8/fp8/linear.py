@@ -17,7 +17,7 @@ from torch import nn
 from megafp8_kernels import Granularity
 
 from .autocast import resolve_recipe
-from .linear_function import SequenceParallelComm, delayed_scale, fp8_linear, quantize_operand
+from .linear_function import SequenceParallelComm, fp8_linear, known_scale, quantize_operand
 from .prologue import InputPrologue
 from .recipe import ROLES, Fp8Recipe
 from .rounding_keys import RoundingKeys
@@ -190,8 +190,10 @@ class Fp8GemmModule(nn.Module):
         if recipe is None:
             return None
         state = self.scaling_state("weight", recipe)
+        weight = getattr(self, "weight", None)
+        device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
         return WeightQuantization(recipe.dtype("weight"), recipe.granularity("weight"), recipe.power_of_2_scale,
-                                  delayed_scale(state), state)
+                                  known_scale(recipe.quantizer("weight"), state, device), state)
 
     def drop_quantized_weight_cache(self) -> None:
         """Forget the weight this layer quantized itself (the next forward quantizes and observes again), keeping a

@@ -125,6 +125,13 @@ def delayed_scale(state: ScalingState | None) -> torch.Tensor | None:
     return state.scale
 
 
+def known_scale(quantizer: Quantizer, state: ScalingState | None, device: torch.device) -> torch.Tensor | None:
+    """The scale known before the cast: a warm delayed state's, or a static recipe's fixed one (None: current
+    scaling from this tensor's amax)."""
+    scale = delayed_scale(state)
+    return scale if scale is not None else quantizer.fixed_scale(device)
+
+
 def _observed(q: Quantized, role: str, state: ScalingState | None, layer: Fp8GemmModule, observe: bool) -> Float8Tensor:
     """A quantizer's result after its bookkeeping: the amax into the role's delayed state (if `observe`), the cast's
     counts into the layer's telemetry."""
@@ -141,7 +148,7 @@ def quantize_operand(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, state: Sca
     and, if `observe`, feeds it this tensor's amax."""
     quantizer = recipe.quantizer(role)
     if scale is None:
-        scale = delayed_scale(state)
+        scale = known_scale(quantizer, state, x2d.device)
     if scale is None and state is not None:
         scale = _cold_shard_scale(x2d, quantizer, layer)
     if role == "input" and layer.forced_overflow_factor is not None:  # a test hook (forced_overflow.py)
@@ -164,7 +171,7 @@ def _fused_prologue_input(x: torch.Tensor, params: tuple[torch.Tensor, ...], arg
     if layer.forced_overflow_factor is not None or not quantizer.has_fused_prologue:
         return None
     state = layer.scaling_state("input", recipe)
-    scale = delayed_scale(state)
+    scale = known_scale(quantizer, state, x.device)
     x2d = x.reshape(-1, x.shape[-1])
     if args.sp_input is not None and not quantizer.fuses_sequence_shard(x2d.shape[0], scale, transpose):
         return None

@@ -68,6 +68,10 @@ class Quantizer:
     def scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
         return scale_from_amax(amax, self.format.max, self.power_of_2_scale)
 
+    def fixed_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The scale this quantizer always casts with (a static recipe), or None: the tensor's amax decides."""
+        return None
+
     stochastic = False  # rounds stochastically (a subclass may): its quantize wants a `key`
 
     @property

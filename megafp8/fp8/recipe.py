@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
@@ -16,6 +17,7 @@ from megafp8_kernels.formats import (BLOCK_1X128, BLOCK_128X128, E2M1, MX_1X32, 
 
 from .microscaling_quantizer import MicroscalingQuantizer
 from .quantizer import Quantizer
+from .static_quantizer import StaticQuantizer
 
 FORMATS = ("e4m3", "hybrid")
 AMAX_ALGOS = ("max", "most_recent")
@@ -64,10 +66,18 @@ def _fp4_quantizer(recipe: Fp8Recipe, role: str, gemm: str) -> Quantizer:
                                  scale_rounding=recipe.mx_scale_rounding)
 
 
+def _static_quantizer(recipe: Fp8Recipe, role: str, gemm: str) -> Quantizer:
+    # μnit Scaling: fixed scales, 1 for activations and weights (a unit-scaled model keeps them near 1), a power of two
+    # for the gradients (--fp8-static-grad-scale: a mean loss over T tokens makes them ~1/T).
+    scale = recipe.static_grad_scale if role == "grad_output" else 1.0
+    return StaticQuantizer(element_format(recipe.dtype(role)), PER_TENSOR, static_scale=scale)
+
+
 SCALING_RULES: dict[str, ScalingRule] = {
     "delayed": ScalingRule(lambda role, gemm: PER_TENSOR, keeps_state=True),
     "tensorwise": ScalingRule(lambda role, gemm: PER_TENSOR),
     "rowwise": ScalingRule(lambda role, gemm: PER_ROW),
+    "static": ScalingRule(lambda role, gemm: PER_TENSOR, build=_static_quantizer),
     # DeepSeek-V3: 1x128 tiles for inputs and gradients, 128x128 for weights (the same tile for fprop and dgrad);
     # E4M3 for gradients too: 1x128 groups leave E5M2's extra range unneeded.
     "blockwise": ScalingRule(lambda role, gemm: BLOCK_128X128 if role == "weight" else BLOCK_1X128, fast_accum=False,
@@ -84,6 +94,7 @@ SCALINGS = tuple(SCALING_RULES)  # the built-in recipes
 # The FP8 recipes with fp32 scales: the 3D bit fingerprint covers each (tools/fp8_bits_fingerprint.py); the microscaled
 # ones are pinned by their own tests (their ZeRO runs gather high-precision weights, the fingerprint's FP8 ones).
 FP8_SCALINGS = tuple(name for name, rule in SCALING_RULES.items() if rule.build is None)
+MICROSCALED = (_mx_quantizer, _fp4_quantizer)
 
 
 def register_scaling(name: str, rule: ScalingRule) -> None:
@@ -122,6 +133,8 @@ class Fp8Recipe:
 
     scaling:            delayed    per-tensor scale from an amax history (TransformerEngine's DelayedScaling)
                         tensorwise per-tensor current scaling (amax of this tensor now)
+                        static     μnit Scaling's fixed scales: 1, and static_grad_scale for gradients (no amax,
+                                   no state, no collective: for unit-scaled models)
                         rowwise    one scale per row of each K-major operand
                         blockwise  DeepSeek-V3: 1x128 tiles for inputs and gradients, 128x128 for weights
                         mxfp8      OCP MX: E4M3 (E5M2 gradients under hybrid) with one E8M0 scale per 1x32
@@ -159,6 +172,7 @@ class Fp8Recipe:
     fp4_weight_2d: bool = True
     fprop_high_precision: bool = False
     fp4_guard_fallback: str = "mxfp8"
+    static_grad_scale: float = 1.0
 
     def __post_init__(self):
         if self.scaling not in SCALING_RULES:
@@ -171,6 +185,9 @@ class Fp8Recipe:
             raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.amax_history_len}")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
+        mantissa, _ = math.frexp(self.static_grad_scale)
+        if not (math.isfinite(self.static_grad_scale) and self.static_grad_scale > 0 and mantissa == 0.5):
+            raise ValueError(f"--fp8-static-grad-scale must be a power of two, got {self.static_grad_scale}")
         if self.mx_scale_rounding not in ("ceil", "floor"):
             raise ValueError(f"--mx-scale-rounding {self.mx_scale_rounding!r} is not 'ceil' or 'floor'")
 
@@ -215,6 +232,7 @@ class Fp8Recipe:
             fp4_hadamard=not getattr(args, "fp4_no_hadamard", False),
             fp4_weight_2d=not getattr(args, "fp4_no_2d_weights", False),
             fp4_guard_fallback=getattr(args, "fp4_guard_fallback", "mxfp8"),
+            static_grad_scale=getattr(args, "fp8_static_grad_scale", 1.0),
         )
 
     def guard_ladder(self) -> tuple[Fp8Recipe | None, ...]:
@@ -251,7 +269,7 @@ class Fp8Recipe:
     @property
     def is_microscaled(self) -> bool:
         """Block scales stored as E8M0 / E4M3 bytes (mxfp8, nvfp4, mxfp4)."""
-        return self.rule.build in (_mx_quantizer, _fp4_quantizer)
+        return self.rule.build in MICROSCALED
 
     @property
     def is_delayed(self) -> bool:

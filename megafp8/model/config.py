@@ -78,6 +78,12 @@ class ModelConfig:
     softmax_scale: float | None = None
     # --embedding-scale: the embedding's output times this constant (FOG's input activation scaling).
     embedding_scale: float = 1.0
+    # μnit Scaling (docs/training.md "Architectures for FP8"): --unit-scaling initialises every weight (embedding and
+    # linears) N(0, 1) and multiplies each linear's output by the fixed 1/sqrt(fan_in), so activations stay near unit
+    # scale and static FP8 casts (--fp8-recipe static) fit them; --residual-tau T makes each residual add
+    # variance-preserving, sqrt(1 - T) x + sqrt(T) F(x) (post-norm gains then start at 1).
+    unit_scaling: bool = False
+    residual_tau: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -86,6 +92,10 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.freeze_qk_layernorm and not self.qk_layernorm:
             raise ValueError("--freeze-qk-layernorm needs --qk-layernorm")
+        if self.residual_tau is not None and not 0 < self.residual_tau < 1:
+            raise ValueError(f"--residual-tau must be in (0, 1), got {self.residual_tau}")
+        if self.unit_scaling:
+            self.init_method_std = 1.0  # unit-variance weights; the 1/sqrt(fan_in) multipliers scale the outputs
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         errors = recompute_errors(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
@@ -121,6 +131,8 @@ class ModelConfig:
 
     @property
     def output_init_std(self) -> float:
+        if self.unit_scaling:
+            return 1.0
         if not self.scaled_init_output_projections:
             return self.init_method_std
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)

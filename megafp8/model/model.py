@@ -8,7 +8,9 @@ contiguous dim-0 chunks; under SP, "s" between TP regions is ``s/TP``)::
            x = x + dropout(linear_proj(attention(linear_qkv(input_layernorm(x)))))
            x = x + dropout(linear_fc2(swiglu(linear_fc1(pre_mlp_layernorm(x)))))
          (--no-pre-norm drops input_layernorm / pre_mlp_layernorm; --post-norm wraps each sublayer's output in
-         attention_output_layernorm / mlp_output_layernorm before the dropout and the add)
+         attention_output_layernorm / mlp_output_layernorm before the dropout and the add; --residual-tau makes
+         each add sqrt(1 - tau) x + sqrt(tau) out; --unit-scaling multiplies every linear's output by
+         1/sqrt(fan_in), its weights drawn N(0, 1))
       -> final_layernorm -> output_layer (column-parallel)           [s, b, V/TP]
       -> labels given: vocab-parallel CE -> per-token loss          [b, s]
          else: logits transposed to                                 [b, s, V/TP]
@@ -39,7 +41,8 @@ from megafp8.parallel.context_parallel import local_positions
 from megafp8.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.random import ModelParallelRNG, initialize_parameters, model_parallel_rng
-from megafp8.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, init_method_normal
+from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, \
+    init_method_normal
 
 
 class TransformerLayer(nn.Module):
@@ -59,9 +62,13 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, parallel_state)
         # --post-norm: each sublayer's output normalized before the residual add (FOG), starting small
         self.attention_output_layernorm = self.mlp_output_layernorm = None
-        if config.post_norm:
-            self.attention_output_layernorm = norm(1 / math.sqrt(config.num_layers))
-            self.mlp_output_layernorm = norm(1 / math.sqrt(config.num_layers))
+        if config.post_norm:  # FOG's gains start at 1/sqrt(L); under --residual-tau the residual weights do that
+            gain = 1.0 if config.residual_tau is not None else 1 / math.sqrt(config.num_layers)
+            self.attention_output_layernorm = norm(gain)
+            self.mlp_output_layernorm = norm(gain)
+        # --residual-tau: sqrt(1 - tau) x + sqrt(tau) F(x) (μnit Scaling's variance-preserving residual)
+        tau = config.residual_tau
+        self.residual_weights = None if tau is None else (math.sqrt(1 - tau), math.sqrt(tau))
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel, self.tp_size = sp, parallel_state.tp_size
         # RMSNorm -> QKV / FC1 and SwiGLU -> FC2 run as the linears' prologues (megafp8.fp8.prologue): in FP8 fused
@@ -83,9 +90,14 @@ class TransformerLayer(nn.Module):
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor, rng: ModelParallelRNG | None,
                      output_norm: RMSNorm | None) -> torch.Tensor:
-        """residual + dropout(out), with --post-norm residual + dropout(RMSNorm(out))."""
-        return hidden_dropout_add(_normed(output_norm, out), residual, self.hidden_dropout, self.training, rng,
-                                  self.sequence_parallel, self.tp_size)
+        """residual + dropout(out), with --post-norm residual + dropout(RMSNorm(out)), with --residual-tau
+        sqrt(1 - tau) residual + sqrt(tau) dropout(...)."""
+        out = _normed(output_norm, out)
+        if self.residual_weights is not None:
+            keep, add = self.residual_weights
+            residual, out = residual * keep, out * add
+        return hidden_dropout_add(out, residual, self.hidden_dropout, self.training, rng, self.sequence_parallel,
+                                  self.tp_size)
 
 
 def _prologue(norm: RMSNorm | None, x: torch.Tensor) -> RMSNormPrologue | None:
@@ -146,6 +158,10 @@ class GPTModel(nn.Module):
                 params_dtype=config.params_dtype, perform_initialization=False)
             if config.tie_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+        if config.unit_scaling:  # μnit Scaling: unit-variance weights, each linear's output times 1/sqrt(fan_in)
+            for m in self.modules():
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    m.output_multiplier = 1 / math.sqrt(m.input_size)
         # The model owns its plan: every later precision change (the guard, a schedule) goes through it.
         self.precision_plan = PrecisionPlan(self)
         if post_process:

@@ -93,6 +93,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return dgrad.wait() if dgrad is not None else None, grad_weight, grad_bias, None
 
 
+def _times(output: torch.Tensor, multiplier: float | None) -> torch.Tensor:
+    """A linear's output times its fixed multiplier (μnit Scaling's 1/sqrt(fan_in): --unit-scaling), outside the GEMM,
+    so the FP8 operands stay the unit-scale weight and input."""
+    return output if multiplier is None else output * multiplier
+
+
 class ColumnParallelLinear(Fp8GemmModule):
     """``Y = X Aᵀ (+ b)`` with A split along its output features: rank r holds ``A_r`` ``[out/TP, in]``.
 
@@ -140,6 +146,7 @@ class ColumnParallelLinear(Fp8GemmModule):
             self.register_parameter("bias", None)
         self.set_recipe(fp8_recipe)
         self._tp_comm = TensorParallelSequenceComm(self.tp)  # the FP8 op's collectives (async, overlapped)
+        self.output_multiplier: float | None = None  # --unit-scaling: 1/sqrt(input_size), set by the model
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 prologue: InputPrologue | None = None) -> torch.Tensor:
@@ -148,7 +155,7 @@ class ColumnParallelLinear(Fp8GemmModule):
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation: pass `weight`")
             weight = self.weight
-        output = self._forward_impl(input_, weight, prologue)
+        output = _times(self._forward_impl(input_, weight, prologue), self.output_multiplier)
         if self.bias is not None:
             output = add_bias(output, self.bias)  # its grad goes to bias.main_grad when that exists
         if self.gather_output:
@@ -226,6 +233,7 @@ class RowParallelLinear(Fp8GemmModule):
             self.register_parameter("bias", None)
         self.set_recipe(fp8_recipe)
         self._tp_comm = TensorParallelSequenceComm(self.tp)  # the FP8 op's collectives (async, overlapped)
+        self.output_multiplier: float | None = None  # --unit-scaling: 1/sqrt(input_size), set by the model
 
     def forward(self, input_: torch.Tensor, input_channel_scale: torch.Tensor | None = None,
                 prologue: InputPrologue | None = None) -> torch.Tensor:
@@ -235,7 +243,7 @@ class RowParallelLinear(Fp8GemmModule):
             if prologue is not None:
                 raise ValueError("RowParallelLinear: a prologue needs input_is_parallel=True")
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp)
-        output = self._forward_impl(input_, input_channel_scale, prologue)
+        output = _times(self._forward_impl(input_, input_channel_scale, prologue), self.output_multiplier)
         if self.bias is not None:
             output = add_bias(output, self.bias)  # its grad goes to bias.main_grad when that exists
         return output

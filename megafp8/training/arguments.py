@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="most_recent",
                    help="delayed scaling: max of the history or the most_recent amax")
     g.add_argument("--fp8-margin", type=int, default=0, help="scales are divided by 2^margin (headroom against growth)")
+    g.add_argument("--fp8-static-grad-scale", type=float, default=1.0,
+                   help="--fp8-recipe static: the fixed scale of the gradients' casts (a power of two; activations and "
+                        "weights use 1). A mean loss over T tokens makes gradients ~1/T: about T keeps them in range")
     g.add_argument("--fp8-power-of-2-scale", action="store_true",
                    help="round every scale to a power of two (exact rescaling, as DeepSeek-V3 / torchao can)")
     g.add_argument("--no-fp8-fprop-fast-accum", dest="fp8_fprop_fast_accum", action="store_false",
@@ -320,7 +323,8 @@ def parse_and_check(argv: Sequence[str] | None = None, world_size: int = 1) -> t
     args = build_parser().parse_args(argv)
     warnings = _fill_defaults(args, world_size)
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    return args, argument_errors(args, world_size) + microscaling_errors(args, given), warnings
+    return args, argument_errors(args, world_size) + block_errors(args, given) + microscaling_errors(args, given), \
+        warnings
 
 
 def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
@@ -427,7 +431,7 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         errors.append(f"--fp8-saturation-guard-threshold must be in [0, 1), got {args.fp8_saturation_guard_threshold}")
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
-    errors += block_errors(args) + loss_scale_errors(args)
+    errors += loss_scale_errors(args)
     if not args.kurtosis_warning_ratio > 1 or args.kurtosis_warning_window < 1:
         errors.append(f"--kurtosis-warning-ratio must be > 1 and --kurtosis-warning-window >= 1, got "
                       f"{args.kurtosis_warning_ratio} and {args.kurtosis_warning_window}")

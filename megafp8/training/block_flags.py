@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def add_block_flags(g: argparse._ArgumentGroup) -> None:
@@ -17,13 +18,36 @@ def add_block_flags(g: argparse._ArgumentGroup) -> None:
                    help="attention logits times this instead of 1/sqrt(head dim)")
     g.add_argument("--embedding-scale", type=float, default=1.0,
                    help="the embedding's output times this constant (FOG's input scaling)")
+    g.add_argument("--unit-scaling", action="store_true",
+                   help="μnit Scaling's unit-scaled model: every weight initialised N(0, 1) and each linear's output "
+                        "times the fixed 1/sqrt(fan_in), so activations stay near unit scale (for --fp8-recipe static)")
+    g.add_argument("--residual-tau", type=float, default=None,
+                   help="variance-preserving residual adds, sqrt(1 - tau) x + sqrt(tau) F(x) (μnit Scaling; "
+                        "with --post-norm its gains start at 1)")
+    g.add_argument("--allow-static-fp8-without-unit-scaling", action="store_true",
+                   help="--fp8-recipe static on a model without --unit-scaling (its activations are far from unit "
+                        "scale: expect saturated and flushed casts)")
 
 
-def block_errors(args: argparse.Namespace) -> list[str]:
-    """The options' problems, one line each."""
+def block_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """The options' problems, one line each (`given`: the flags on the command line)."""
     errors = []
     if args.freeze_qk_layernorm and not args.qk_layernorm:
         errors.append("--freeze-qk-layernorm needs --qk-layernorm")
+    if args.residual_tau is not None and not 0 < args.residual_tau < 1:
+        errors.append(f"--residual-tau must be in (0, 1), got {args.residual_tau}")
+    if args.unit_scaling and "--init-method-std" in given:
+        errors.append("--init-method-std with --unit-scaling: a unit-scaled model initialises every weight N(0, 1)")
+    static = args.fp8_format is not None and args.fp8_recipe == "static"
+    if static and not args.unit_scaling and not args.allow_static_fp8_without_unit_scaling:
+        errors.append("--fp8-recipe static needs a unit-scaled model (--unit-scaling): its fixed scales assume "
+                      "activations, weights and gradients near unit scale, and a standard Llama's overflow or flush "
+                      "(--allow-static-fp8-without-unit-scaling to run it anyway)")
+    if "--fp8-static-grad-scale" in given and not static:
+        errors.append("--fp8-static-grad-scale needs --fp8-format and --fp8-recipe static")
+    scale = args.fp8_static_grad_scale
+    if not (math.isfinite(scale) and scale > 0 and math.frexp(scale)[0] == 0.5):
+        errors.append(f"--fp8-static-grad-scale must be a power of two (exact to invert), got {scale}")
     for name in ("softmax_scale", "embedding_scale"):
         value = getattr(args, name)
         if value is not None and not value > 0:

@@ -26,7 +26,8 @@ MEGAFP8_ONLY = frozenset({
     "--log-dir", "--compile", "--mx-scale-rounding", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard",
     "--fp4-no-2d-weights", "--fp4-guard-fallback", "--fp4-until-iteration", "--fp4-until-fraction", "--fp4-switch-to",
     "--fp4-switch-gemms", "--kurtosis-warning-ratio", "--kurtosis-warning-window", "--no-pre-norm", "--post-norm",
-    "--freeze-qk-layernorm", "--softmax-scale", "--embedding-scale",
+    "--freeze-qk-layernorm", "--softmax-scale", "--embedding-scale", "--unit-scaling", "--residual-tau",
+    "--allow-static-fp8-without-unit-scaling", "--fp8-static-grad-scale",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megafp8.fp8.precision_schedule import GEMM_SCOPES, PrecisionSchedule
-from megafp8.fp8.recipe import FP4_SCALINGS, SCALING_RULES, Fp8Recipe
+from megafp8.fp8.recipe import FP4_SCALINGS, MICROSCALED, SCALING_RULES, Fp8Recipe
 from megafp8_kernels.microscaling_reference import HADAMARD_SIZE
 
 FP4_FORMATS = ("e2m1",)
@@ -69,7 +69,7 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
         errors.append("--fp8-recipe with --fp4-format: the run's recipe is --fp4-recipe's (layers kept out of FP4 run "
                       "in BF16, --first-last-layers-bf16)")
     errors += _param_gather_errors(args)
-    microscaled = args.fp8_format is not None and SCALING_RULES[args.fp8_recipe].build is not None
+    microscaled = args.fp8_format is not None and SCALING_RULES[args.fp8_recipe].build in MICROSCALED
     if microscaled and getattr(args, "compile", False):
         errors.append(f"--compile with the {args.fp8_recipe} recipe: the microscaled casts run eagerly for now "
                       "(leave --compile out)")

@@ -27,7 +27,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma, qk_layernorm=args.qk_layernorm,
         freeze_qk_layernorm=args.freeze_qk_layernorm, pre_norm=args.pre_norm, post_norm=args.post_norm,
-        softmax_scale=args.softmax_scale, embedding_scale=args.embedding_scale,
+        softmax_scale=args.softmax_scale, embedding_scale=args.embedding_scale, unit_scaling=args.unit_scaling,
+        residual_tau=args.residual_tau,
         # On CPU a bf16 (or fp16) matmul is ~50x slower than fp32 (DESIGN.md): --bf16 / --fp16 are honoured on GPU
         # only.
         params_dtype=_params_dtype(args))
