@@ -1,7 +1,7 @@
-"""The FOG block's options (issue 32): --no-pre-norm, --post-norm (gains from 1/sqrt(L)), --softmax-scale, --embedding-
-scale, with --qk-layernorm, and μnit Scaling's: --unit-scaling (N(0, 1) weights, each linear's output times
-1/sqrt(fan_in)) and --residual-tau (sqrt(1 - tau) x + sqrt(tau) F(x)). Checked against a plain fp64 re-
-implementation of the whole model written here (logits and every gradient), TP=2 + SP x PP=2 built from scratch
+"""The FOG block's options (issue 32): --no-pre-norm, --post-norm (gains from 1/sqrt(L)), --softmax-scale,
+--embedding-scale, with --qk-layernorm, and μnit Scaling's: --unit-scaling (N(0, 1) weights, each linear's output
+times 1/sqrt(fan_in)) and --residual-tau (sqrt(1 - tau) x + sqrt(tau) F(x)). Checked against a plain fp64
+re-implementation of the whole model written here (logits and every gradient), TP=2 + SP x PP=2 built from scratch
 against the single-process model, and through the training entry: it trains, its checkpoint refuses a resume without
 the options and an export to formats that cannot express the block."""
 from __future__ import annotations
