@@ -155,7 +155,11 @@ def run_case(case: Case, world_size: int, step_hook=None) -> Pipeline:
             if case.fp8:
                 assert sqnr_db(got, ref_grad) >= 40, (where, name, sqnr_db(got, ref_grad))
             else:
-                assert rel_err(got, ref_grad) <= 1e-5, (where, name, rel_err(got, ref_grad))
+                # A scalar's grad (xIELU's alphas) is one fp32 sum over all of its layer's activations, taken in
+                # another order per layout (TP halves, then the TP sum): cancellation leaves ~1e-4 of it. A missing
+                # TP sum would be off by about half.
+                bound = 1e-3 if param.numel() == 1 else 1e-5
+                assert rel_err(got, ref_grad) <= bound, (where, name, rel_err(got, ref_grad))
         if case.fp8:
             ref_state = reference.state_dict()
             for key, value in _scaling_state(pipe).items():  # amaxes of FP8-computed tensors agree to rounding

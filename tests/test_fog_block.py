@@ -25,6 +25,7 @@ from pipeline_testing import Case, run_case
 
 FOG = dict(pre_norm=False, post_norm=True, qk_layernorm=True, softmax_scale=0.3, embedding_scale=2.0)
 MUS = dict(pre_norm=False, post_norm=True, unit_scaling=True, residual_tau=0.2)
+FOG_XIELU = dict(FOG, activation="xielu")  # FOG's block with its non-gated xIELU MLP
 
 
 def _config(**fields) -> ModelConfig:
@@ -54,6 +55,11 @@ def _reference_logits(p: dict[str, torch.Tensor], c: ModelConfig, ids: torch.Ten
     def linear(x, weight):  # μnit Scaling: unit weights, the output times 1/sqrt(fan_in)
         return x @ weight.T / (math.sqrt(weight.shape[1]) if c.unit_scaling else 1.0)
 
+    def xielu(x, a_p, a_n, beta=0.5, eps=-1e-6):  # arXiv 2411.13010's xIELU, as transformers' XIELUActivation
+        alpha_p, alpha_n = F.softplus(a_p), beta + F.softplus(a_n)
+        return torch.where(x > 0, alpha_p * x * x + beta * x, alpha_n * torch.expm1(x.clamp(max=eps)) - alpha_n * x
+                           + beta * x)
+
     def residual_add(x, out):
         if c.residual_tau is None:
             return x + out
@@ -75,16 +81,21 @@ def _reference_logits(p: dict[str, torch.Tensor], c: ModelConfig, ids: torch.Ten
         a = linear((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1), w("self_attention.linear_proj.weight"))
         x = residual_add(x, _rms(a, w("attention_output_layernorm.weight"), c.norm_eps) if c.post_norm else a)
         h = _rms(x, w("pre_mlp_layernorm.weight"), c.norm_eps) if c.pre_norm else x
-        gate, up = linear(h, w("mlp.linear_fc1.weight")).chunk(2, -1)
-        m = linear(F.silu(gate) * up, w("mlp.linear_fc2.weight"))
+        if c.activation == "xielu":
+            m = linear(xielu(linear(h, w("mlp.linear_fc1.weight")), w("mlp.xielu.alpha_p"), w("mlp.xielu.alpha_n")),
+                       w("mlp.linear_fc2.weight"))
+        else:
+            gate, up = linear(h, w("mlp.linear_fc1.weight")).chunk(2, -1)
+            m = linear(F.silu(gate) * up, w("mlp.linear_fc2.weight"))
         x = residual_add(x, _rms(m, w("mlp_output_layernorm.weight"), c.norm_eps) if c.post_norm else m)
     head = p["embedding.weight"] if c.tie_embeddings else p["output_layer.weight"]
     return linear(_rms(x, p["final_layernorm.weight"], c.norm_eps), head)
 
 
 @pytest.mark.parametrize("options", [FOG, dict(post_norm=True), dict(pre_norm=False, softmax_scale=1.0), MUS,
-                                     dict(unit_scaling=True, tie_embeddings=False), dict(residual_tau=0.3)],
-                         ids=["fog", "pre-and-post-norm", "no-norm-fixed-scale", "mus", "unit-scaling", "tau"])
+                                     dict(unit_scaling=True, tie_embeddings=False), dict(residual_tau=0.3), FOG_XIELU],
+                         ids=["fog", "pre-and-post-norm", "no-norm-fixed-scale", "mus", "unit-scaling", "tau",
+                              "fog-xielu"])
 def test_block_options_match_an_fp64_reimplementation(options):
     config = _config(**options)
     model = GPTModel(config, ParallelState().init_process_groups())
@@ -98,7 +109,7 @@ def test_block_options_match_an_fp64_reimplementation(options):
     assert ("layers.0.input_layernorm.weight" in names) == config.pre_norm
     with torch.no_grad():  # gains away from their init, so a swapped or missing norm shows
         for name, param in names.items():
-            if "layernorm" in name:
+            if "layernorm" in name or "xielu" in name:  # (the xIELU scalars too: raw values around their init)
                 param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(1))
     reference = {name: param.detach().double().requires_grad_() for name, param in names.items()}
@@ -116,7 +127,7 @@ def _pipeline_body(rank: int, world_size: int, options: dict) -> None:
     run_case(Case(pp=2, tp=2, sp=True, model=tuple(options.items())), world_size)
 
 
-@pytest.mark.parametrize("options", [FOG, MUS], ids=["fog", "mus"])
+@pytest.mark.parametrize("options", [FOG_XIELU, MUS], ids=["fog-xielu", "mus"])
 def test_block_tp2_sp_pp2_from_scratch_equals_the_single_process_model(options):
     run_distributed(_pipeline_body, world_size=4, args=(options,))
 

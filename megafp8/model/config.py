@@ -10,7 +10,7 @@ from megafp8.model.recompute import recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.sharding import pad_vocab_size
 
-ACTIVATIONS = ("swiglu", "smooth_swiglu")
+ACTIVATIONS = ("swiglu", "smooth_swiglu", "xielu")  # xielu: a non-gated MLP (FOG)
 
 
 def rope_scaling_flag(field: str) -> str:

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward block with a fused gate/up column-parallel projection.
+"""SwiGLU feed-forward block with a fused gate/up column-parallel projection (or, with ``--activation xielu``,
+FOG's non-gated fc1 -> xIELU -> fc2: megafp8.model.xielu).
 
 ``linear_fc1.weight`` (TP=1) is ``[gate; up]``, ``[2 * ffn, hidden]``. It is sharded with
 ``partition_stride=2``: rank r holds ``[gate_r; up_r]`` (``[2 * ffn/TP, hidden]``), so the local
@@ -18,6 +19,7 @@ from megafp8.fp8 import smooth_swiglu_channel_scales, swiglu
 from megafp8.fp8.prologue import RMSNormPrologue, SwiGLUPrologue
 
 from megafp8.model.config import ModelConfig
+from megafp8.model.xielu import XIELU
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
 
@@ -28,10 +30,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
         super().__init__()
         self.activation = config.activation
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, 2 * config.ffn_hidden_size, parallel_state,
-                                               init_method=init_method_normal(config.init_method_std),
-                                               partition_stride=2, params_dtype=config.params_dtype,
+        gated = self.activation != "xielu"
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size,
+                                               parallel_state, init_method=init_method_normal(config.init_method_std),
+                                               partition_stride=2 if gated else 1, params_dtype=config.params_dtype,
                                                perform_initialization=False)
+        self.xielu = None if gated else XIELU(params_dtype=config.params_dtype)
         self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, parallel_state,
                                             init_method=init_method_normal(config.output_init_std),
                                             params_dtype=config.params_dtype, perform_initialization=False)
@@ -44,6 +48,8 @@ class MLP(nn.Module):
         `fuse_activation`: the SwiGLU runs inside FC2's FP8 input cast (megafp8.fp8.prologue), never written in
         high precision."""
         gate_up = self.linear_fc1(x, prologue=input_norm)
+        if self.xielu is not None:  # no fused prologue: the activation runs on its own before FC2's cast
+            return self.linear_fc2(self.xielu(gate_up))
         smooth = self.activation == "smooth_swiglu"
         if fuse_activation:
             # Smooth-SwiGLU's scales need the activation's per-channel amax before the cast: one extra pass.

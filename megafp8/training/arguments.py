@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer (default: tied to the embedding)")
     g.add_argument("--activation", choices=ACTIVATIONS, default=None,
-                   help="swiglu (what --swiglu builds), or smooth_swiglu (per-channel power-of-two scaling before "
-                        "FC2's FP8 cast, docs/fp8.md)")
+                   help="swiglu (what --swiglu builds), smooth_swiglu (per-channel power-of-two scaling before "
+                        "FC2's FP8 cast, docs/fp8.md), or xielu (FOG's non-gated MLP with the trainable xIELU "
+                        "activation; --ffn-hidden-size defaults to 4h)")
     add_block_flags(g)
     megatron_flags.add_model_flags(g)
 

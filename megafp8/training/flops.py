@@ -6,7 +6,8 @@ The formula is Megatron-LM's `num_floating_point_operations` for a dense model w
     per layer and token, forward:   2h(h_q + 2 h_kv)      QKV projection (h_q = heads x head dim d, h_kv = kv heads x d)
                                     2 h h_q               attention output projection
                                     2 * 2 s h_q           QK^T and attention x V (full s x s, no causal halving)
-                                    3 * 2 h f             SwiGLU: gate, up and down projections (f = ffn hidden)
+                                    3 * 2 h f             SwiGLU: gate, up and down projections (f = ffn hidden;
+                                                          2 * 2 h f for the non-gated xIELU MLP)
 
 with d = --kv-channels, else h / heads (then h_q = h).
     per token, forward:             2 h V                 the logits (V = padded vocabulary)
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 def flops_per_token_forward(*, num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
                             num_query_groups: int, seq_length: int, padded_vocab_size: int,
-                            kv_channels: int | None = None) -> float:
+                            kv_channels: int | None = None, gated_mlp: bool = True) -> float:
     """Forward FLOPs per token (multiply-add = 2), as in the module docstring."""
     h, f, s = hidden_size, ffn_hidden_size, seq_length
     d = kv_channels if kv_channels is not None else h / num_attention_heads
     q, kv = num_attention_heads * d, num_query_groups * d
-    layer = 2 * h * (q + 2 * kv) + 2 * h * q + 2 * 2 * s * q + 3 * 2 * h * f
+    layer = 2 * h * (q + 2 * kv) + 2 * h * q + 2 * 2 * s * q + (3 if gated_mlp else 2) * 2 * h * f
     return num_layers * layer + 2 * h * padded_vocab_size
 
 

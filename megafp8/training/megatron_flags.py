@@ -219,6 +219,8 @@ def fill_megatron_defaults(args: argparse.Namespace) -> None:
         args.activation = "swiglu"
     if args.num_query_groups is None:
         args.num_query_groups = 1 if args.group_query_attention else args.num_attention_heads
+    if args.ffn_hidden_size is None and args.activation == "xielu":  # non-gated: Megatron's 4h
+        args.ffn_hidden_size = 4 * args.hidden_size
     if args.ffn_hidden_size is None:  # SwiGLU keeps 4h's parameter count, rounded down to a multiple of 64
         args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
 

@@ -189,7 +189,7 @@ class Trainer:
                                          num_attention_heads=args.num_attention_heads,
                                          num_query_groups=args.num_query_groups, seq_length=args.seq_length,
                                          padded_vocab_size=pipeline.chunks[0].padded_vocab_size,
-                                         kv_channels=args.kv_channels)
+                                         kv_channels=args.kv_channels, gated_mlp=args.activation != "xielu")
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         self.profiler = IterationProfiler(args, ps.rank)
 
