@@ -54,6 +54,7 @@ def test_gpu_check_arguments_and_dry_run_without_gpu():
     assert missing.returncode == 2 and "--steps needs a value" in missing.stderr
 
 
+@pytest.mark.slow  # ~90 s of CPU GEMMs; tests/test_entry_points.py runs bench_gemm --quick in the default suite
 def test_bench_gemm_launch_and_table_arguments():
     bad = _run(sys.executable, "tools/bench/bench_gemm.py", "--quantize-only", "--quantize-launch", "3,32,16,4")
     assert bad.returncode == 2 and "'3,32,16,4': expected TILES,SLAB,SLAB_TRANSPOSED,WARPS" in bad.stderr

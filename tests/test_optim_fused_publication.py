@@ -252,7 +252,7 @@ def _launches_counted_apart():
 
 @interpreted
 @pytest.mark.parametrize("scaling", ["delayed", "tensorwise"])
-@pytest.mark.parametrize("preset", ["fp32", "compressed"])
+@pytest.mark.parametrize("preset", [pytest.param("fp32", marks=pytest.mark.slow), "compressed"])  # compressed: more ops
 def test_fused_step_ops_do_not_grow_with_width_or_layers(monkeypatch, scaling, preset):
     from test_optim_op_count import _fp8_step_ops
 
