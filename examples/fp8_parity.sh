@@ -61,6 +61,8 @@ common=(
   --eval-interval "$eval_interval" --eval-iters 4 --log-interval "$log_interval"
 )
 fp8="--fp8-format hybrid --fp8-recipe"
+fog="--no-pre-norm --post-norm --qk-layernorm --freeze-qk-layernorm --activation xielu"
+mus="--unit-scaling --residual-tau 0.2 --post-norm --no-pre-norm --lr 3e-2 --min-lr 3e-3"
 declare -A run_flags=(
   [fp32]=""
   [fp8_delayed]="$fp8 delayed"
@@ -81,12 +83,19 @@ declare -A run_flags=(
   [mxfp4]="--fp4-format e2m1 --fp4-recipe mxfp4"
   [nvfp4_then_bf16]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-fraction 0.8"
   [nvfp4_fprop_bf16]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-fraction 0.8 --fp4-switch-gemms fprop"
+  # The architectures for FP8 (docs/training.md), each against its own fp32 run (--pair below): FOG's block with
+  # xIELU, and the μnit Scaling model (unit-scale weights move by the learning rate itself: 10x the Llama's) with
+  # static FP8 casts.
+  [fog_fp32]="$fog"
+  [fog_fp8]="$fog $fp8 delayed"
+  [mus_fp32]="$mus"
+  [mus_static]="$mus $fp8 static --fp8-static-grad-scale 512"
 )
 dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
 declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 fog_fp32 fog_fp8 mus_fp32 mus_static}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"
@@ -97,7 +106,7 @@ for name in $runs; do
   echo "== $name: $iters iterations -> $dir =="
   start=$SECONDS
   telemetry=()
-  if [[ -n "${run_flags[$name]}" ]]; then telemetry=(--log-fp8-telemetry); fi  # FP8 runs only
+  if [[ "${run_flags[$name]}" == *-format* ]]; then telemetry=(--log-fp8-telemetry); fi  # FP8/FP4 runs only
   # shellcheck disable=SC2086  # the run's flags are meant to split into words
   env ${run_env[$name]:-} python ${run_launch[$name]:-} -m megafp8.pretrain "${common[@]}" ${run_flags[$name]} \
       --log-dir "$dir" --tensorboard-dir "$dir/tb" "${telemetry[@]}" > "$dir.log" 2>&1 \
@@ -108,7 +117,7 @@ for name in $runs; do
 done
 
 pairs=()
-if [[ " $runs " == *" fp8_grad_reduce "* && " $runs " == *" fp8_zero_dp2 "* ]]; then
-  pairs=(--pair fp8_grad_reduce=fp8_zero_dp2)
-fi
+for pair in fp8_grad_reduce=fp8_zero_dp2 fog_fp8=fog_fp32 mus_static=mus_fp32; do
+  if [[ " $runs " == *" ${pair%%=*} "* && " $runs " == *" ${pair##*=} "* ]]; then pairs+=(--pair "$pair"); fi
+done
 python tools/fp8_report.py "${dirs[@]}" --output "$work/report" --seq-length "$seq_length" "${pairs[@]}"
