@@ -73,6 +73,9 @@ def _quantize_op(x: torch.Tensor, fp8_dtype: torch.dtype, granularity_: str, pow
                  scale: torch.Tensor | None, transpose: bool, backend: str, stats: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     kwargs = dict(power_of_2_scale=power_of_2_scale, scale=scale, transpose=transpose, stats=stats)
+    # Row-major outputs whatever x's strides (a compiled graph may hand over a transposed view): the fake promises
+    # contiguous outputs, and the elementwise cast would otherwise follow x's layout (or alias data_t with data).
+    x = x.contiguous()
     if resolve_backend(x.device, backend or None) == "triton":
         from .quantize_triton import quantize_triton  # Triton is imported only where it is used
 

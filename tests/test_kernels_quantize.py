@@ -281,3 +281,24 @@ def test_backend_selection(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         resolve_backend(cpu, "triton")
+
+
+@pytest.mark.parametrize("gran", list(Granularity))
+@pytest.mark.parametrize("transpose", [False, True])
+def test_quantize_op_of_a_transposed_view_matches_its_fake(gran, transpose):
+    """A compiled graph may hand the quantize op a transposed view: its outputs stay row-major and separate, as the
+    op's fake promises (inductor asserts the strides; a 3D --compile run with blockwise failed on it), with the bits
+    of quantizing the same values laid out contiguously."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(128, 256).t()  # (256, 128), strides (1, 256)
+    real = torch.ops.megafp8.quantize(x, torch.float8_e4m3fn, gran.value, False, None, transpose, "", False)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.megafp8.quantize(mode.from_tensor(x), torch.float8_e4m3fn, gran.value, False, None,
+                                          transpose, "", False)
+    contiguous = torch.ops.megafp8.quantize(x.contiguous(), torch.float8_e4m3fn, gran.value, False, None,
+                                            transpose, "", False)
+    for got, promised, expected in zip(real, fake, contiguous):
+        assert got.shape == promised.shape and (got.numel() <= 1 or got.stride() == promised.stride())
+        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                           expected.view(torch.uint8) if expected.dtype.itemsize == 1 else expected)
