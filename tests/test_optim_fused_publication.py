@@ -251,7 +251,7 @@ def _launches_counted_apart():
 
 
 @interpreted
-@pytest.mark.parametrize("scaling", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("scaling", ["delayed", pytest.param("tensorwise", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("preset", [pytest.param("fp32", marks=pytest.mark.slow), "compressed"])  # compressed: more ops
 def test_fused_step_ops_do_not_grow_with_width_or_layers(monkeypatch, scaling, preset):
     from test_optim_op_count import _fp8_step_ops

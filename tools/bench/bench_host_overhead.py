@@ -410,6 +410,19 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak RSS: Linux's VmHWM (the high-water mark of this program's own memory; getrusage's
+    ru_maxrss survives exec and so reports a large parent's RSS at fork, e.g. a pytest worker's), else getrusage."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated: bf16 and FP8 recipe names")
@@ -446,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{recipe} {row['mode']}: built in {row['build_s']:.1f} s", file=sys.stderr, flush=True)
         finally:
             dist.destroy_process_group()
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_rss_mib = _peak_rss_mib()
     print(markdown(rows))
     print(f"\n{opts.gpu} peaks {peaks[0]:g} (BF16) / {peaks[1]:g} (FP8) TFLOP/s at MFU {opts.mfu:g}; launches at "
           f"{opts.launch_us:g} us (ATen) / {opts.triton_launch_us:g} us (Triton); {swapped} ops on C++ meta kernels; "
