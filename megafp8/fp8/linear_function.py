@@ -200,7 +200,8 @@ def _gather_quantized(x2d: torch.Tensor, recipe: Fp8Recipe, role: str, layer: Fp
                       comm: SequenceParallelComm, observe: bool) -> tuple[Pending, Float8Tensor]:
     """Quantize this rank's sequence shard ONCE and start gathering its FP8 bytes (not BF16)."""
     state = layer.scaling_state(role, recipe)
-    scale = recipe.quantizer(role).agreed_scale(x2d, delayed_scale(state), comm)
+    quantizer = recipe.quantizer(role)
+    scale = quantizer.agreed_scale(x2d, known_scale(quantizer, state, x2d.device), comm)
     local = quantize_operand(x2d, recipe, role, state, False, layer, scale=scale, observe=observe)
     return comm.gather_rows_async(local), local
 

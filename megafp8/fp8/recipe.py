@@ -97,6 +97,10 @@ FP8_SCALINGS = tuple(name for name, rule in SCALING_RULES.items() if rule.build 
 MICROSCALED = (_mx_quantizer, _fp4_quantizer)
 
 
+def is_power_of_two(value: float) -> bool:
+    return math.isfinite(value) and value > 0 and math.frexp(value)[0] == 0.5
+
+
 def register_scaling(name: str, rule: ScalingRule) -> None:
     """Add a recipe: `Fp8Recipe(scaling=name)` and `--fp8-recipe name` (for parsers built after this call) use it."""
     if name in SCALING_RULES:
@@ -185,8 +189,7 @@ class Fp8Recipe:
             raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.amax_history_len}")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
-        mantissa, _ = math.frexp(self.static_grad_scale)
-        if not (math.isfinite(self.static_grad_scale) and self.static_grad_scale > 0 and mantissa == 0.5):
+        if not is_power_of_two(self.static_grad_scale):
             raise ValueError(f"--fp8-static-grad-scale must be a power of two, got {self.static_grad_scale}")
         if self.mx_scale_rounding not in ("ceil", "floor"):
             raise ValueError(f"--mx-scale-rounding {self.mx_scale_rounding!r} is not 'ceil' or 'floor'")

@@ -19,14 +19,6 @@ class StaticQuantizer(Quantizer):
     static_scale: float = 1.0
 
     def fixed_scale(self, device: torch.device) -> torch.Tensor:
+        # Every caller asks for the known scale first (linear_function.known_scale): given, it needs no agreement
+        # across ranks, and a sequence shard's fused cast is the unfused path's bytes.
         return torch.full((), self.static_scale, device=device)
-
-    @property
-    def needs_global_amax(self) -> bool:
-        return False  # one scale everywhere, agreed by construction
-
-    def agreed_scale(self, x2d: torch.Tensor, scale: torch.Tensor | None, comm) -> torch.Tensor:
-        return scale if scale is not None else self.fixed_scale(x2d.device)
-
-    def fuses_sequence_shard(self, rows: int, scale: torch.Tensor | None, transpose: bool) -> bool:
-        return True  # a given per-tensor scale: the shard's fused cast is the unfused path's bytes

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import math
+
+from megafp8.fp8.recipe import is_power_of_two
 
 
 def add_block_flags(g: argparse._ArgumentGroup) -> None:
@@ -45,9 +46,9 @@ def block_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
                       "(--allow-static-fp8-without-unit-scaling to run it anyway)")
     if "--fp8-static-grad-scale" in given and not static:
         errors.append("--fp8-static-grad-scale needs --fp8-format and --fp8-recipe static")
-    scale = args.fp8_static_grad_scale
-    if not (math.isfinite(scale) and scale > 0 and math.frexp(scale)[0] == 0.5):
-        errors.append(f"--fp8-static-grad-scale must be a power of two (exact to invert), got {scale}")
+    if not is_power_of_two(args.fp8_static_grad_scale):
+        errors.append(f"--fp8-static-grad-scale must be a power of two (exact to invert), got "
+                      f"{args.fp8_static_grad_scale}")
     for name in ("softmax_scale", "embedding_scale"):
         value = getattr(args, name)
         if value is not None and not value > 0:
