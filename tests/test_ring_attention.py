@@ -8,28 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from attention_testing import attention_inputs, reference_attention
 from distributed_testing import run_distributed
 from megafp8.parallel import attention_blocks
 from megafp8.parallel.collectives import CommCounters
 from megafp8.parallel.context_parallel import (context_parallel_attention, gather_from_context_parallel,
                                                load_balanced_chunk_ids, local_positions, split_for_context_parallel)
-
-
-def _reference(q, k, v, scale=None):
-    """Full-sequence causal attention in fp64, one process; KV head of query head i is i // (H / G); logits times
-    ``scale`` (default 1/sqrt(d))."""
-    q, k, v = (t.double() for t in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    s = q.shape[2]
-    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
-def _inputs(b, heads, kv_heads, seq, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, seq, d, generator=gen, dtype=torch.float64) for h in (heads, kv_heads, kv_heads, heads)]
 
 
 def _expected_bytes(comm_type, n, kv_local_elems, wire_size, grad_size):
@@ -42,9 +26,9 @@ def _expected_bytes(comm_type, n, kv_local_elems, wire_size, grad_size):
 def _check(group, cp_rank, cp_size, comm_type, heads, kv_heads, chunk, dtype, seed, scale=None):
     b, d = 2, 8
     seq = 2 * cp_size * chunk
-    q, k, v, dout = _inputs(b, heads, kv_heads, seq, d, seed)
+    q, k, v, dout = attention_inputs(b, heads, kv_heads, seq, d, seed)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = _reference(*full, scale=scale)
+    ref = reference_attention(*full, scale=scale)
     ref.backward(dout)
     local = [split_for_context_parallel(t, 2, cp_rank, cp_size).to(dtype).requires_grad_() for t in (q, k, v)]
     counters = CommCounters()
@@ -115,7 +99,7 @@ def _body(rank, world_size):
     finally:
         attention_blocks.FUSED, attention_blocks.Q_TILE_ROWS = True, 1024
     if world_size == 2:
-        q, k, v, _ = _inputs(1, 2, 2, 4, 8, seed=0)
+        q, k, v, _ = attention_inputs(1, 2, 2, 4, 8, seed=0)
         with pytest.raises(ValueError, match="but cp_rank is"):
             context_parallel_attention(q, k, v, group=group, cp_rank=1 - rank, cp_size=2)
     if world_size == 4:
@@ -126,7 +110,7 @@ def _body(rank, world_size):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_ring_attention_matches_fp64_reference(cp_size):
+def test_ring_attention_matches_fp64reference_attention(cp_size):
     run_distributed(_body, world_size=cp_size, timeout_s=300)
 
 
@@ -144,9 +128,9 @@ def test_layout_helpers():
 
 
 def test_cp1_is_sdpa_and_bad_input_is_refused():
-    q, k, v, _ = _inputs(1, 4, 2, 6, 8, seed=0)
+    q, k, v, _ = attention_inputs(1, 4, 2, 6, 8, seed=0)
     out = context_parallel_attention(q, k, v, group=None, cp_rank=0, cp_size=1, enable_gqa=True)
-    torch.testing.assert_close(out, _reference(q, k, v))
+    torch.testing.assert_close(out, reference_attention(q, k, v))
     with pytest.raises(ValueError, match="enable_gqa"):
         context_parallel_attention(q, k, v, group=None, cp_rank=0, cp_size=1)
     with pytest.raises(ValueError, match="--cp-comm-type"):

@@ -25,7 +25,7 @@ MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_ba
              "bf16", "fp16", "loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
              "fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
              "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp4_param_gather",
-             "fp8_static_grad_scale",
+             "fp8_static_grad_scale", "fp8_dot_product_attention",
              "global_batch_size", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_samples",
              "lr_decay_iters", "lr_decay_samples", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
              "clip_grad", "master_weight_dtype", "optimizer_state_dtype", "seed", "data_path", "split",

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megafp8.fp8.autocast import resolve_recipe
+from megafp8.fp8.dot_product_attention import Fp8AttentionFormats, Fp8Blocks, fp8_dot_product_attention
 from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import mask_generator
@@ -42,6 +44,7 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.attention_dropout = config.attention_dropout  # on the probabilities, in training mode only
         self.softmax_scale = config.softmax_scale  # None: SDPA's 1/sqrt(d)
+        self.fp8_dot_product_attention = config.fp8_dot_product_attention
         # Context parallelism: this rank holds 2 of each sequence's 2 x CP chunks; K/V travel over the CP group.
         self.parallel_state = parallel_state
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
@@ -81,6 +84,15 @@ class SelfAttention(nn.Module):
             out = core(q, k, v, *rotary)
         return self.linear_proj(out)
 
+    def fp8_formats(self) -> Fp8AttentionFormats | None:
+        """With --fp8-dot-product-attention, the casts of this forward: attention runs FP8 exactly when its QKV
+        projection runs an 8-bit recipe now (so a guard or schedule move of that layer to high precision, or to FP4,
+        takes attention with it, and fp8_autocast(enabled=False) turns both off)."""
+        if not self.fp8_dot_product_attention:
+            return None
+        recipe = resolve_recipe(self.linear_qkv.recipe, self.linear_qkv.runs_high_precision)
+        return Fp8AttentionFormats.from_recipe(recipe) if recipe is not None and recipe.element_bits == 8 else None
+
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, rng: ModelParallelRNG | None = None) -> torch.Tensor:
         """(QK norm +) rotary + causal attention (+ dropout on its probabilities): ``[s, b, heads, d]`` q/k/v to
@@ -94,12 +106,15 @@ class SelfAttention(nn.Module):
         gqa = self.local_heads != self.local_groups
         ps = self.parallel_state
         dropout = self.attention_dropout if self.training else 0.0
-        if ps.cp_size > 1:  # ring (or all-gather) attention over the CP ranks, merged by log-sum-exp
+        fp8 = self.fp8_formats()
+        if fp8 is not None and ps.cp_size == 1:
+            out = fp8_dot_product_attention(q, k, v, fp8, scale=self.softmax_scale)
+        elif ps.cp_size > 1:  # ring (or all-gather) attention over the CP ranks, merged by log-sum-exp
             if dropout:  # validate_model refuses the config; a hand-built layer would silently skip it
                 raise ValueError("--attention-dropout is not supported with --context-parallel-size > 1")
             out = context_parallel_attention(q, k, v, group=ps.cp_group.group, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
                                              comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa,
-                                             scale=self.softmax_scale)
+                                             scale=self.softmax_scale, blocks=None if fp8 is None else Fp8Blocks(fp8))
         elif dropout:
             # Each TP rank holds other heads: its masks come from its own stream (Megatron's tracker fork).
             with mask_generator(rng, True, ps.tp_size):

@@ -84,6 +84,9 @@ class ModelConfig:
     # variance-preserving, sqrt(1 - T) x + sqrt(T) F(x) (post-norm gains then start at 1).
     unit_scaling: bool = False
     residual_tau: float | None = None
+    # --fp8-dot-product-attention: Q·Kᵀ, P·V and their backward GEMMs in FP8 (megafp8/fp8/dot_product_attention.py)
+    # in every layer whose QKV projection runs an 8-bit recipe at the time; the others keep SDPA.
+    fp8_dot_product_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -107,6 +110,9 @@ class ModelConfig:
                 raise ValueError("; ".join(errors))
         if self.kv_channels is not None and (type(self.kv_channels) is not int or self.kv_channels < 1):
             raise ValueError(f"--kv-channels must be a positive integer, got {self.kv_channels!r}")
+        if self.fp8_dot_product_attention and self.attention_dropout:
+            raise ValueError("--fp8-dot-product-attention does not drop attention probabilities: "
+                             "set --attention-dropout 0")
         for flag, p in (("--attention-dropout", self.attention_dropout), ("--hidden-dropout", self.hidden_dropout)):
             if not 0.0 <= p < 1.0:  # also a NaN
                 raise ValueError(f"{flag} must be in [0, 1), got {p}")

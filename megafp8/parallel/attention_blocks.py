@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megafp8_kernels.fp8_attention_reference import masked_scores, query_tiles
+
 aten = torch.ops.aten
 
 FUSED = True  # False: every block through the fp32 twin (the tests compare both with fp64 attention)
@@ -73,6 +75,30 @@ def attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 
+class HighPrecisionBlocks:
+    """How ring attention holds and attends its operands in their own dtype: queries ``(q,)``, the K/V message
+    ``stack([k, v])``, output gradients ``(dout,)``. ``megafp8.fp8.dot_product_attention.Fp8Blocks`` is the FP8 one."""
+
+    def queries(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (q,)
+
+    def pack_kv(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.stack([k, v]).contiguous()  # one message per ring step
+
+    def attend(self, queries, kv: torch.Tensor, rows: slice, keys: slice, causal: bool, scale: float):
+        (q,) = queries
+        return attend(q[..., rows, :], kv[0, :, :, keys], kv[1, :, :, keys], causal, scale)
+
+    def output_grads(self, dout: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (dout,)
+
+    def attend_backward(self, grads, queries, kv: torch.Tensor, out, lse, rows: slice, keys: slice, causal: bool,
+                        scale: float):
+        (dout,), (q,) = grads, queries
+        return attend_backward(dout[..., rows, :], q[..., rows, :], kv[0, :, :, keys], kv[1, :, :, keys],
+                               out[..., rows, :], lse[..., rows], causal, scale)
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """In place, in the compute dtype: fold one block's (out, lse) into the running ones (rows already sliced)."""
     new_lse = torch.logaddexp(lse, block_lse)
@@ -86,29 +112,12 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     return q.to(compute_dtype(q.dtype)).reshape(b, groups, heads // groups, s, d)
 
 
-def _tiles(sq: int, causal: bool):
-    """(query rows, key rows, causal offset or None) per tile; a causal tile drops the keys after its last row."""
-    for start in range(0, sq, Q_TILE_ROWS):
-        stop = min(start + Q_TILE_ROWS, sq)
-        yield (slice(start, stop), slice(0, stop), start) if causal else (slice(start, stop), slice(None), None)
-
-
-def _scores(q5, k5, offset: int | None, scale: float) -> torch.Tensor:
-    """``[b, G, r, sq, sk]`` scaled scores of q ``[b, G, r, sq, d]`` and k ``[b, G, 1, sk, d]``."""
-    scores = torch.matmul(q5, k5.transpose(-1, -2)) * scale
-    if offset is not None:
-        sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu_(offset + 1)
-        scores.masked_fill_(mask, float("-inf"))
-    return scores
-
-
 def _twin_forward(q, k, v, causal: bool, scale: float):
     groups, ct = k.shape[1], compute_dtype(q.dtype)
     q5, k5, v5 = _grouped(q, groups), k.to(ct).unsqueeze(2), v.to(ct).unsqueeze(2)
     out, lse = torch.empty_like(q5), q5.new_empty(q5.shape[:-1])
-    for rows, keys, offset in _tiles(q.shape[2], causal):
-        scores = _scores(q5[..., rows, :], k5[..., keys, :], offset, scale)
+    for rows, keys, offset in query_tiles(q.shape[2], causal, Q_TILE_ROWS):
+        scores = masked_scores(q5[..., rows, :], k5[..., keys, :], scale, offset)
         lse[..., rows] = torch.logsumexp(scores, dim=-1)
         out[..., rows, :] = torch.matmul(torch.exp(scores - lse[..., rows].unsqueeze(-1)), v5[..., keys, :])
     return out.reshape(q.shape), lse.reshape(q.shape[:-1])
@@ -120,8 +129,8 @@ def _twin_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     lse5 = lse.to(ct).reshape(q5.shape[:-1])
     delta = (dout5 * _grouped(out, groups)).sum(dim=-1)
     dq, dk, dv = torch.zeros_like(q5), torch.zeros_like(k5), torch.zeros_like(v5)
-    for rows, keys, offset in _tiles(q.shape[2], causal):
-        p = torch.exp(_scores(q5[..., rows, :], k5[..., keys, :], offset, scale) - lse5[..., rows].unsqueeze(-1))
+    for rows, keys, offset in query_tiles(q.shape[2], causal, Q_TILE_ROWS):
+        p = torch.exp(masked_scores(q5[..., rows, :], k5[..., keys, :], scale, offset) - lse5[..., rows].unsqueeze(-1))
         dv[..., keys, :] += torch.matmul(p.transpose(-1, -2), dout5[..., rows, :]).sum(dim=2, keepdim=True)
         ds = p * (torch.matmul(dout5[..., rows, :], v5[..., keys, :].transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
         dq[..., rows, :] += torch.matmul(ds, k5[..., keys, :]) * scale

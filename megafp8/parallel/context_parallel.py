@@ -79,7 +79,7 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, device=None) ->
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                group: dist.ProcessGroup | None, cp_rank: int, cp_size: int,
                                comm_type: str = "p2p", counters: CommCounters | None = None,
-                               enable_gqa: bool = False, scale: float | None = None) -> torch.Tensor:
+                               enable_gqa: bool = False, scale: float | None = None, blocks=None) -> torch.Tensor:
     """Causal attention over the GLOBAL sequence for this rank's load-balanced local tokens.
 
     q ``[b, heads, s_local, d]``, k/v ``[b, kv_heads, s_local, d]``, already rotated with their global
@@ -89,7 +89,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``ParallelState.comm`` counters, or None) under ``cp_kv_p2p``. ``comm_type``: ``p2p`` (ring, the
     exchange of the next K/V block overlapping the current block's math) or ``all_gather``. The attention
     math runs in fp32 (fp64 for fp64 inputs) whatever the input dtype; at CP=1 this is SDPA. ``scale``: the
-    logits' factor (None: 1/sqrt(d)).
+    logits' factor (None: 1/sqrt(d)). ``blocks``: ring attention's operand handling (None: high precision;
+    ``megafp8.fp8.dot_product_attention.Fp8Blocks``: FP8 attention, whose ring carries FP8 K/V bytes).
     """
     _check_rank(cp_rank, cp_size)
     if comm_type not in COMM_TYPES:
@@ -108,4 +109,4 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"context parallel attention: local sequence length {q.shape[2]} is not two equal chunks")
     if group is None:
         raise ValueError(f"context parallel attention: cp_size {cp_size} needs the CP process group")
-    return ring_attention(q, k, v, group, cp_rank, cp_size, comm_type, counters, scale)
+    return ring_attention(q, k, v, group, cp_rank, cp_size, comm_type, counters, scale, blocks)

@@ -13,7 +13,8 @@ K/V of rank ``j`` seen by the queries of rank ``r`` there are three cases:
 
 So every block but the diagonal is half the work of a full block and unmasked; the masked halves are never
 computed. Each block runs through SDPA's fused flash kernel in the input dtype (``attention_blocks.attend``: its
-output and log-sum-exp ``lse_i``, fp32), and the blocks are merged in fp32 (fp64 for fp64 inputs) as
+output and log-sum-exp ``lse_i``, fp32), or with ``Fp8Blocks`` (--fp8-dot-product-attention) through the FP8
+twin on FP8 Q and K/V bytes (the ring then carries those bytes and their scales), and the blocks are merged in fp32 (fp64 for fp64 inputs) as
 ``out = sum_i exp(lse_i - lse) out_i``. Backward hands each block the merged output and ``lse``
 (``attention_blocks.attend_backward``: FlashAttention's renormalization), so nothing of size ``s x s`` is kept
 across blocks: saved are q, k, v, the output and ``lse`` (``[b, heads, s_local]``, fp32).
@@ -32,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megafp8.parallel.attention_blocks import attend, attend_backward, compute_dtype, merge
+from megafp8.parallel.attention_blocks import HighPrecisionBlocks, compute_dtype, merge
 from megafp8.parallel.collectives import (CommCounters, GroupHandle, PendingCollective, all_gather_into_tensor_async,
                                           reduce_scatter_tensor)
 
@@ -77,10 +78,12 @@ class _InFlight:
         return self._recv
 
 
-def _forward(q, k, v, handle: GroupHandle, comm_type: str, scale: float):
-    """Output ``[b, H, s, d]`` in q's dtype and ``lse`` ``[b, H, s]`` in the compute dtype."""
+def _forward(q, k, v, handle: GroupHandle, comm_type: str, scale: float, blocks):
+    """Output ``[b, H, s, d]`` in the compute dtype, ``lse`` ``[b, H, s]``, and what backward keeps of the operands
+    (``blocks``' queries and K/V message)."""
     n, r, ct = handle.size, handle.rank, compute_dtype(q.dtype)
-    kv = torch.stack([k, v]).contiguous()  # one message per ring step
+    queries, kv = blocks.queries(q), blocks.pack_kv(k, v)
+    saved = (*queries, kv)
     chunk = q.shape[2] // 2
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=ct, device=q.device)
@@ -94,11 +97,11 @@ def _forward(q, k, v, handle: GroupHandle, comm_type: str, scale: float):
             kv = all_kv[src]
         pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
         rows, keys, causal = _blocks(r, src, chunk)
-        block_out, block_lse = attend(q[..., rows, :], kv[0, :, :, keys], kv[1, :, :, keys], causal, scale)
+        block_out, block_lse = blocks.attend(queries, kv, rows, keys, causal, scale)
         merge(out[..., rows, :], lse[..., rows], block_out.to(ct), block_lse.to(ct))
         if pending is not None:
             kv = pending.wait()
-    return out.to(q.dtype), lse
+    return out, lse, saved
 
 
 def _gather_async(kv: torch.Tensor, handle: GroupHandle):
@@ -108,14 +111,15 @@ def _gather_async(kv: torch.Tensor, handle: GroupHandle):
     return PendingCollective(pending, finish=lambda p: p.wait().view(handle.size, *kv.shape))
 
 
-def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str, scale: float):
-    n, r, ct = handle.size, handle.rank, compute_dtype(q.dtype)
-    kv = torch.stack([k, v]).contiguous()
-    chunk = q.shape[2] // 2
-    dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+def _backward(queries, kv, out, lse, dout, kv_shape, handle: GroupHandle, comm_type: str, scale: float, blocks):
+    """(dq, dk, dv) in the compute dtype; ``kv_shape`` is one of K/V's ``[b, G, s, d]``."""
+    n, r, ct = handle.size, handle.rank, lse.dtype
+    grads = blocks.output_grads(dout, out)
+    chunk = out.shape[2] // 2
+    dq = torch.zeros(out.shape, dtype=ct, device=out.device)
     if comm_type == "all_gather":
         all_kv = _gather_async(kv, handle).wait()
-        all_dkv = torch.zeros(all_kv.shape, dtype=ct, device=q.device)
+        all_dkv = torch.zeros((n, 2, *kv_shape), dtype=ct, device=out.device)
     ring = _Ring(handle) if comm_type == "p2p" else None
     dkv_pending = None
     for step in range(n):
@@ -123,14 +127,13 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str, scal
         if ring is None:
             kv = all_kv[src]
         kv_pending = ring.exchange(kv, _KV_TAG) if ring is not None and step < n - 1 else None
-        dkv = all_dkv[src] if ring is None else torch.zeros(kv.shape, dtype=ct, device=q.device)
+        dkv = all_dkv[src] if ring is None else torch.zeros((2, *kv_shape), dtype=ct, device=out.device)
         rows, keys, causal = _blocks(r, src, chunk)
-        dq_b, dk_b, dv_b = attend_backward(dout[..., rows, :], q[..., rows, :], kv[0, :, :, keys], kv[1, :, :, keys],
-                                           out[..., rows, :], lse[..., rows], causal, scale)
+        dq_b, dk_b, dv_b = blocks.attend_backward(grads, queries, kv, out, lse, rows, keys, causal, scale)
         dq[..., rows, :] += dq_b
         dkv[0, :, :, keys] += dk_b
         dkv[1, :, :, keys] += dv_b
-        if ring is not None:
+        if ring is not None and n > 1:
             # The accumulator of rank src's dK/dV moves with its K/V; after N hops it is home, complete.
             if dkv_pending is not None:
                 dkv += dkv_pending.wait()
@@ -138,32 +141,43 @@ def _backward(q, k, v, out, lse, dout, handle: GroupHandle, comm_type: str, scal
         if kv_pending is not None:
             kv = kv_pending.wait()
     if ring is not None:
-        dkv = dkv_pending.wait()
+        dkv = dkv_pending.wait() if n > 1 else dkv  # one rank: its only block's dK/dV are already complete
     else:
-        dkv = torch.empty(all_dkv.shape[1:], dtype=ct, device=q.device)
+        dkv = torch.empty(all_dkv.shape[1:], dtype=ct, device=out.device)
         reduce_scatter_tensor(dkv, all_dkv.view(-1, *all_dkv.shape[2:]), handle, _KIND)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq, dkv[0], dkv[1]
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, handle: GroupHandle, comm_type: str, scale: float):
-        out, lse = _forward(q, k, v, handle, comm_type, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.handle, ctx.comm_type, ctx.scale = handle, comm_type, scale
+    def forward(ctx, q, k, v, handle: GroupHandle, comm_type: str, scale: float, blocks):
+        out, lse, saved = _forward(q, k, v, handle, comm_type, scale, blocks)
+        out = out.to(q.dtype)  # the merged output backward reads is the one the caller gets
+        ctx.save_for_backward(*saved, out, lse)
+        ctx.handle, ctx.comm_type, ctx.scale, ctx.blocks = handle, comm_type, scale, blocks
+        ctx.kv_shape, ctx.dtypes = k.shape, (q.dtype, k.dtype, v.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(q, k, v, out, lse, dout, ctx.handle, ctx.comm_type, ctx.scale), None, None, None)
+        *queries, kv, out, lse = ctx.saved_tensors
+        grads = _backward(tuple(queries), kv, out, lse, dout, ctx.kv_shape, ctx.handle, ctx.comm_type,
+                          ctx.scale, ctx.blocks)
+        return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, cp_rank: int,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, cp_rank: int,
                    cp_size: int, comm_type: str, counters: CommCounters | None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, blocks=None) -> torch.Tensor:
     """Differentiable CP attention (shapes checked by the caller); see the module docstring. ``scale``: the
-    logits' factor (None: 1/sqrt(d), as SDPA)."""
+    logits' factor (None: 1/sqrt(d), as SDPA). ``blocks``: how the operands are held and attended
+    (``HighPrecisionBlocks()`` by default; ``Fp8Blocks`` for FP8 attention, which also runs CP=1, group None,
+    through here as a single diagonal block)."""
+    blocks = HighPrecisionBlocks() if blocks is None else blocks
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cp_size == 1:
+        handle = GroupHandle(group=None, ranks=(0,), rank=0, counters=counters or CommCounters())
+        return _ContextParallelAttention.apply(q, k, v, handle, comm_type, scale, blocks)
     ranks = tuple(dist.get_process_group_ranks(group))
     if len(ranks) != cp_size:
         raise ValueError(f"context parallel attention: the CP group has {len(ranks)} ranks, cp_size is {cp_size}")
@@ -172,4 +186,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                          f"{ranks.index(dist.get_rank()) if dist.get_rank() in ranks else 'none'} of the CP group "
                          f"{ranks}, but cp_rank is {cp_rank}")
     handle = GroupHandle(group=group, ranks=ranks, rank=cp_rank, counters=counters or CommCounters())
-    return _ContextParallelAttention.apply(q, k, v, handle, comm_type, q.shape[-1] ** -0.5 if scale is None else scale)
+    return _ContextParallelAttention.apply(q, k, v, handle, comm_type, scale, blocks)

@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the distributed optimizer casts its shard of each FP8 layer's weight to FP8 and the DP "
                         "all-gather moves FP8 bytes; the layers keep no high-precision weight copy, except a layer "
                         "the saturation guard moved to high precision (docs/optimizer.md)")
+    g.add_argument("--fp8-dot-product-attention", action="store_true",
+                   help="attention's Q·Kᵀ and P·V (and backward's GEMMs) in FP8, softmax in fp32, in every layer whose "
+                        "QKV projection runs FP8 (TransformerEngine's fp8_dpa; docs/fp8.md 'FP8 attention')")
     g.add_argument("--first-last-layers-bf16", type=int, nargs="?", const=1, default=0,
                    help="keep the first and last N transformer layers (N = 1 when given without a value) out of FP8")
     g.add_argument("--log-fp8-telemetry", action="store_true",

@@ -49,6 +49,14 @@ def block_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
     if not is_power_of_two(args.fp8_static_grad_scale):
         errors.append(f"--fp8-static-grad-scale must be a power of two (exact to invert), got "
                       f"{args.fp8_static_grad_scale}")
+    if args.fp8_dot_product_attention:
+        if args.fp8_format is None:
+            errors.append("--fp8-dot-product-attention needs --fp8-format")
+        if args.fp4 is not None:
+            errors.append("--fp8-dot-product-attention with --fp4-format: FP4 layers keep attention in high precision "
+                          "(there is no FP4 attention)")
+        if args.attention_dropout:
+            errors.append("--fp8-dot-product-attention does not drop attention probabilities: set --attention-dropout 0")
     for name in ("softmax_scale", "embedding_scale"):
         value = getattr(args, name)
         if value is not None and not value > 0:

@@ -46,10 +46,12 @@ def apply_compile(args: argparse.Namespace, chunks) -> int:
     """Compile this rank's layers as the flags say (nothing without --compile/--enable-cuda-graph); returns how many
     modules were compiled. fullgraph where the FP8 linear op traces (TP = CP = 1, no zero-bubble schedule): a graph
     break is then a bug. Otherwise the op runs eagerly between graphs: its collectives, or under a zero-bubble
-    schedule the host-side queue of deferred weight gradients it feeds (megafp8.fp8.deferred_wgrad)."""
+    schedule the host-side queue of deferred weight gradients it feeds (megafp8.fp8.deferred_wgrad). FP8 attention
+    (--fp8-dot-product-attention) always runs eagerly between graphs (its twin's Python tiling is not traced)."""
     if not (args.compile or args.enable_cuda_graph):
         return 0
     collectives = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
     deferred_wgrad = args.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     return compile_layers(chunks, backend="inductor", mode="reduce-overhead" if args.enable_cuda_graph else None,
-                          scope=args.cuda_graph_scope or "full", fullgraph=not (collectives or deferred_wgrad))
+                          scope=args.cuda_graph_scope or "full",
+                          fullgraph=not (collectives or deferred_wgrad or args.fp8_dot_product_attention))

@@ -28,6 +28,8 @@ MEGAFP8_ONLY = frozenset({
     "--fp4-switch-gemms", "--kurtosis-warning-ratio", "--kurtosis-warning-window", "--no-pre-norm", "--post-norm",
     "--freeze-qk-layernorm", "--softmax-scale", "--embedding-scale", "--unit-scaling", "--residual-tau",
     "--allow-static-fp8-without-unit-scaling", "--fp8-static-grad-scale",
+    # Megatron-LM dropped its --fp8-dot-product-attention (TransformerEngine reads NVTE_FP8_DPA now); the name stays.
+    "--fp8-dot-product-attention",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).

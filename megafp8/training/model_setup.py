@@ -28,7 +28,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma, qk_layernorm=args.qk_layernorm,
         freeze_qk_layernorm=args.freeze_qk_layernorm, pre_norm=args.pre_norm, post_norm=args.post_norm,
         softmax_scale=args.softmax_scale, embedding_scale=args.embedding_scale, unit_scaling=args.unit_scaling,
-        residual_tau=args.residual_tau,
+        residual_tau=args.residual_tau, fp8_dot_product_attention=args.fp8_dot_product_attention,
         # On CPU a bf16 (or fp16) matmul is ~50x slower than fp32 (DESIGN.md): --bf16 / --fp16 are honoured on GPU
         # only.
         params_dtype=_params_dtype(args))

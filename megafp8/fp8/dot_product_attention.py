@@ -1,0 +1,96 @@
+"""FP8 dot-product attention (--fp8-dot-product-attention): the operands ring attention holds and attends in FP8.
+
+Q, K, V are cast once per forward to the recipe's forward format (E4M3) with one current scale per tensor and rank
+(their amax on the device: no host sync, no state, nothing to checkpoint), dO once per backward to its gradient
+format (E5M2 under hybrid); P and dS are cast inside the blocks (``megafp8_kernels.fp8_attention_reference``: P with
+the fixed scale 448, dS per 128 x 128 tile). Under context parallelism the ring carries each rank's K/V as FP8
+bytes with their two scales appended (one message, about half the BF16 bytes), and backward keeps those bytes and
+Q's instead of high-precision copies. One context-parallel rank runs the same code as a single diagonal block.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megafp8.fp8.recipe import Fp8Recipe
+from megafp8_kernels import Granularity, element_format, quantize
+from megafp8_kernels.fp8_attention_reference import fp8_attention_backward, fp8_attention_forward
+
+_SCALE_BYTES = 2 * 4  # K's and V's fp32 scale_inv, appended to the K/V message
+
+
+@dataclass(frozen=True)
+class Fp8AttentionFormats:
+    """What the attention casts to: ``forward`` for Q, K, V (and P, always E4M3), ``backward`` for dO and dS."""
+
+    forward: torch.dtype = torch.float8_e4m3fn
+    backward: torch.dtype = torch.float8_e5m2
+    power_of_2_scale: bool = False
+
+    @classmethod
+    def from_recipe(cls, recipe: Fp8Recipe) -> Fp8AttentionFormats:
+        return cls(recipe.dtype("input"), recipe.dtype("grad_output"), recipe.power_of_2_scale)
+
+
+def cast_per_tensor(t: torch.Tensor, dtype: torch.dtype, power_of_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data in t's shape, fp32 0-d scale_inv): one current scale for the whole tensor."""
+    q = quantize(t.reshape(-1, t.shape[-1]), dtype, Granularity.TENSORWISE, power_of_2_scale=power_of_2_scale)
+    return q.data.view(t.shape), q.scale_inv.reshape(())
+
+
+class Fp8Blocks:
+    """Ring attention's operands in FP8 (``HighPrecisionBlocks``' interface): queries ``(q8, q_inv)``, the K/V
+    message ``uint8[K8 bytes, V8 bytes, k_inv, v_inv]``, output gradients ``(dO8, do_inv, delta)``. One instance
+    per attention call (it remembers the K/V shape the messages carry)."""
+
+    def __init__(self, formats: Fp8AttentionFormats) -> None:
+        self.formats = formats
+        self.kv_shape: torch.Size | None = None
+
+    def queries(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cast_per_tensor(q, self.formats.forward, self.formats.power_of_2_scale)
+
+    def pack_kv(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.kv_shape = k.shape
+        (k8, k_inv), (v8, v_inv) = (cast_per_tensor(t, self.formats.forward, self.formats.power_of_2_scale)
+                                    for t in (k, v))
+        data = torch.stack([k8, v8]).view(torch.uint8).flatten()
+        return torch.cat([data, torch.stack([k_inv, v_inv]).view(torch.uint8)])
+
+    def _unpack(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K8, V8, k_inv, v_inv) views of a K/V message."""
+        n = 2 * math.prod(self.kv_shape)
+        data = kv[:n].view(self.formats.forward).view(2, *self.kv_shape)
+        scales = kv[n:n + _SCALE_BYTES].view(torch.float32)
+        return data[0], data[1], scales[0], scales[1]
+
+    def attend(self, queries, kv: torch.Tensor, rows: slice, keys: slice, causal: bool, scale: float):
+        q8, q_inv = queries
+        k8, v8, k_inv, v_inv = self._unpack(kv)
+        return fp8_attention_forward(q8[..., rows, :], k8[..., keys, :], v8[..., keys, :], q_inv, k_inv, v_inv,
+                                     causal, scale)
+
+    def output_grads(self, dout: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # delta = rowsum(dO * O) from the high-precision dO (FlashAttention's preprocessing pass reads it too).
+        delta = (dout.float() * out.float()).sum(dim=-1)
+        return (*cast_per_tensor(dout, self.formats.backward, self.formats.power_of_2_scale), delta)
+
+    def attend_backward(self, grads, queries, kv: torch.Tensor, out, lse, rows: slice, keys: slice, causal: bool,
+                        scale: float):
+        (do8, do_inv, delta), (q8, q_inv) = grads, queries
+        k8, v8, k_inv, v_inv = self._unpack(kv)
+        return fp8_attention_backward(do8[..., rows, :], q8[..., rows, :], k8[..., keys, :], v8[..., keys, :],
+                                      do_inv, q_inv, k_inv, v_inv, lse[..., rows], delta[..., rows], causal, scale,
+                                      element_format(self.formats.backward), self.formats.power_of_2_scale)
+
+
+@torch.compiler.disable  # --compile: runs eagerly between the layer's graphs, as ring attention does under CP
+def fp8_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: Fp8AttentionFormats,
+                              scale: float | None = None) -> torch.Tensor:
+    """Causal FP8 attention of one rank's whole sequence (no context parallelism): q ``[b, H, s, d]``, k/v
+    ``[b, G, s, d]`` (GQA when G < H) in, ``[b, H, s, d]`` in q's dtype out; differentiable."""
+    from megafp8.parallel.ring_attention import ring_attention
+
+    return ring_attention(q, k, v, None, 0, 1, "p2p", None, scale, blocks=Fp8Blocks(formats))
