@@ -13,7 +13,9 @@
 #         weights) and its ablations nvfp4_no_sr / nvfp4_no_rht / nvfp4_no_2d (one part off each), mxfp4
 #         (emulated on CPU: the numerics of Blackwell's block-scaled GEMMs, not their speed), and NVFP4's
 #         precision schedule: nvfp4_then_bf16 (the last 20% of the run in high precision) and nvfp4_fprop_bf16
-#         (the NVFP4 paper's variant: only the forward GEMMs switch)
+#         (the NVFP4 paper's variant: only the forward GEMMs switch); the architectures for FP8: fog_fp32 /
+#         fog_fp8 (FOG's block), mus_fp32 / mus_static (μnit Scaling with static casts), and FP8 attention in the
+#         Llama (fp8_attention) and in FOG's block (fog_fp8_attention)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
@@ -90,12 +92,15 @@ declare -A run_flags=(
   [fog_fp8]="$fog $fp8 delayed"
   [mus_fp32]="$mus"
   [mus_static]="$mus $fp8 static --fp8-static-grad-scale 512"
+  # FP8 attention (--fp8-dot-product-attention) in the Llama, where FOG saw divergence, and in FOG's block.
+  [fp8_attention]="$fp8 delayed --fp8-dot-product-attention"
+  [fog_fp8_attention]="$fog $fp8 delayed --fp8-dot-product-attention"
 )
 dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
 declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 fog_fp32 fog_fp8 mus_fp32 mus_static}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 fog_fp32 fog_fp8 mus_fp32 mus_static fp8_attention fog_fp8_attention}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"
@@ -117,7 +122,7 @@ for name in $runs; do
 done
 
 pairs=()
-for pair in fp8_grad_reduce=fp8_zero_dp2 fog_fp8=fog_fp32 mus_static=mus_fp32; do
+for pair in fp8_grad_reduce=fp8_zero_dp2 fog_fp8=fog_fp32 mus_static=mus_fp32 fog_fp8_attention=fog_fp32; do
   if [[ " $runs " == *" ${pair%%=*} "* && " $runs " == *" ${pair##*=} "* ]]; then pairs+=(--pair "$pair"); fi
 done
 python tools/fp8_report.py "${dirs[@]}" --output "$work/report" --seq-length "$seq_length" "${pairs[@]}"

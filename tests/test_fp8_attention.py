@@ -88,6 +88,34 @@ def test_probabilities_use_the_fixed_scale_and_saturate_never():
     torch.testing.assert_close(out[:, :, 0], (v8[:, :, 0].float() * p_scale) * (v_inv / p_scale), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("b, heads, groups, s, d, causal", [(1, 4, 2, 77, 32, True), (2, 2, 2, 64, 16, False),
+                                                        (1, 2, 1, 130, 64, True)])
+def test_triton_forward_matches_the_twin(b, heads, groups, s, d, causal):
+    """The Triton kernel (Triton's interpreter on CPU) against the twin: the same lse up to fp32 rounding and the same
+    output bits but where an exp an ulp apart flips a P cast."""
+    from megafp8_kernels.fp8_attention_triton import fp8_attention_forward_triton
+
+    q, k, v, _ = attention_inputs(b, heads, groups, s, d, seed=d)
+    operands = [cast_per_tensor(t.float(), torch.float8_e4m3fn, False) for t in (q, k, v)]
+    (q8, q_inv), (k8, k_inv), (v8, v_inv) = operands
+    twin = fp8_attention_reference.fp8_attention_forward(q8, k8, v8, q_inv, k_inv, v_inv, causal, d ** -0.5)
+    kernel = fp8_attention_forward_triton(q8, k8, v8, q_inv, k_inv, v_inv, causal, d ** -0.5)
+    torch.testing.assert_close(kernel[1], twin[1], rtol=0, atol=2e-6)
+    assert sqnr_db(kernel[0], twin[0].double()) > 60
+    assert (kernel[0] == twin[0]).float().mean() > 0.99
+
+
+def test_the_gpu_path_runs_the_triton_forward(monkeypatch):
+    """What a GPU takes (MEGAFP8_KERNEL_BACKEND=triton, here in the interpreter): fp8_dot_product_attention's forward
+    through the kernel, its backward through the twin, within fp32 rounding of the all-twin run."""
+    q, k, v, dout = attention_inputs(1, 4, 2, 40, 16, seed=3)
+    twin = _fp8(q, k, v, dout, HYBRID)
+    monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "triton")
+    kernel = _fp8(q, k, v, dout, HYBRID)
+    for a, b in zip(kernel, twin):
+        assert sqnr_db(a, b.double()) > 60
+
+
 # ---- context parallelism ------------------------------------------------------------------------------------------
 
 def _cp_body(rank: int, world_size: int) -> None:

@@ -131,6 +131,15 @@ def test_every_fused_prologue_cast_is_audited(audit_rows):
     assert ("_swiglu_quantize_kernel", "given scale transpose stats smooth-swiglu") in fused
 
 
+def test_fp8_attention_forward_is_audited_on_wgmma_without_spills(audit_rows):
+    """The FP8 flash attention forward (head dims 64 and 128, the causal diagonal block and a full ring block, GQA)
+    compiles for sm_90a to wgmma instructions without spills (the no-spill rule itself is the audit's)."""
+    _, report = audit_rows
+    rows = {r["case"]: r for r in report["rows"] if r["kernel"] == kernel_audit.ATTENTION_KERNEL}
+    assert set(rows) == {case for case, _, _ in kernel_audit.attention_cases()}
+    assert all(r.get("wgmma") and "error" not in r for r in rows.values()), rows
+
+
 def test_every_fused_optimizer_kernel_is_audited(audit_rows):
     """The fused AdamW kernels (fp32 and coded presets, the fp16 master's publication), compiled at CUDA's launch
     sizes (not the interpreter's 64k-element blocks): --quick's cases of audit_optimizer_cases, spill-free (the full

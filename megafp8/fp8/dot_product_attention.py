@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megafp8.fp8.recipe import Fp8Recipe
-from megafp8_kernels import Granularity, element_format, quantize
+from megafp8_kernels import Granularity, element_format, quantize, resolve_backend
 from megafp8_kernels.fp8_attention_reference import fp8_attention_backward, fp8_attention_forward
 
 _SCALE_BYTES = 2 * 4  # K's and V's fp32 scale_inv, appended to the K/V message
@@ -38,6 +38,17 @@ def cast_per_tensor(t: torch.Tensor, dtype: torch.dtype, power_of_2_scale: bool)
     """(FP8 data in t's shape, fp32 0-d scale_inv): one current scale for the whole tensor."""
     q = quantize(t.reshape(-1, t.shape[-1]), dtype, Granularity.TENSORWISE, power_of_2_scale=power_of_2_scale)
     return q.data.view(t.shape), q.scale_inv.reshape(())
+
+
+def _forward_kernel(q8: torch.Tensor):
+    """The Triton forward on a GPU (MEGAFP8_KERNEL_BACKEND as for every kernel) for power-of-two head dims >= 16,
+    else the twin. The backward runs in the twin everywhere (no Triton backward kernel yet)."""
+    d = q8.shape[-1]
+    if resolve_backend(q8.device) == "triton" and d >= 16 and not d & (d - 1):
+        from megafp8_kernels.fp8_attention_triton import fp8_attention_forward_triton
+
+        return fp8_attention_forward_triton
+    return fp8_attention_forward
 
 
 class Fp8Blocks:
@@ -69,8 +80,8 @@ class Fp8Blocks:
     def attend(self, queries, kv: torch.Tensor, rows: slice, keys: slice, causal: bool, scale: float):
         q8, q_inv = queries
         k8, v8, k_inv, v_inv = self._unpack(kv)
-        return fp8_attention_forward(q8[..., rows, :], k8[..., keys, :], v8[..., keys, :], q_inv, k_inv, v_inv,
-                                     causal, scale)
+        return _forward_kernel(q8)(q8[..., rows, :], k8[..., keys, :], v8[..., keys, :], q_inv, k_inv, v_inv,
+                                   causal, scale)
 
     def output_grads(self, dout: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # delta = rowsum(dO * O) from the high-precision dO (FlashAttention's preprocessing pass reads it too).

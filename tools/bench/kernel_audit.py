@@ -330,6 +330,8 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
     rows += optimizer_rows(ptxas, failures, mine, first, quick)
     first += len(list(optimizer_cases(quick)))
     rows += training_rows(ptxas, failures, mine, first, quick)
+    first += len(list(training_cases(quick)))
+    rows += attention_rows(ptxas, failures, mine, first)
     return rows, failures
 
 
@@ -348,12 +350,14 @@ def known_spill(case: GemmCase) -> str | None:
 
 def case_families(quick: bool) -> list[str]:
     """The family of every audit case in audit order (the shard plan's unit of cost): "gemm triton", "gemm gluon",
-    "quantize", "norm_quantize", "optimizer", "training gemm", "training cast" (audit_shards.FAMILY_SECONDS)."""
+    "quantize", "norm_quantize", "optimizer", "training gemm", "training cast", "attention"
+    (audit_shards.FAMILY_SECONDS)."""
     families = [f"gemm {case.precise_kernel}" for case in gemm_cases(quick)]
     families += ["quantize"] * len(list(quantize_cases()))
     families += ["norm_quantize"] * len(list(norm_quantize_cases()))
     families += ["optimizer"] * len(list(optimizer_cases(quick)))
     families += [f"training {family}" for _, family, _ in training_cases(quick)]
+    families += ["attention"] * len(list(attention_cases()))
     return families
 
 
@@ -563,6 +567,37 @@ def norm_quantize_rows(ptxas: str | None, failures: list[str], mine: Callable[[i
         return f"w{kernel.metadata.num_warps if kernel else 8} {held}x{NQ.TILE} tiles"
 
     return compiled_case_rows(norm_quantize_cases(), launch, ptxas, failures, mine, first)
+
+
+ATTENTION_KERNEL = "_fp8_attention_forward_kernel"
+
+
+def attention_cases():
+    """(case label, kernel name, call) of the FP8 attention forward (fp8_attention_triton.py): head dims 64 and 128,
+    causal (the diagonal block, CP=1) and not (a ring block), GQA 8 query heads on 2 K/V heads."""
+    import torch
+
+    from megafp8_kernels.fp8_attention_triton import fp8_attention_forward_triton
+
+    for d in (64, 128):
+        q = torch.zeros(1, 8, 256, d, dtype=torch.float8_e4m3fn)
+        kv = torch.zeros(1, 2, 256, d, dtype=torch.float8_e4m3fn)
+        one = torch.ones(())
+        for causal in (True, False):
+            yield f"d{d} {'causal' if causal else 'full'} gqa", ATTENTION_KERNEL, \
+                lambda q=q, kv=kv, one=one, causal=causal: \
+                fp8_attention_forward_triton(q, kv, kv, one, one, one, causal, 0.125)
+
+
+def attention_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
+                   first: int = 0) -> list[dict]:
+    """One row per FP8 attention forward specialization, labelled with its warps and tile."""
+    from megafp8_kernels import fp8_attention_triton as A
+
+    def launch(case: str, kernel) -> str:
+        return f"w{kernel.metadata.num_warps if kernel else A.WARPS} {A.BLOCK_M}x{A.BLOCK_N}"
+
+    return compiled_case_rows(attention_cases(), launch, ptxas, failures, mine, first)
 
 
 def optimizer_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
