@@ -29,7 +29,7 @@ from .quantize_reference import reciprocal, saturating_cast, scale_from_amax
 
 _E4M3 = element_format(torch.float8_e4m3fn)
 P_SCALE = _E4M3.max  # 448: P = 1 lands on E4M3's largest value exactly
-DS_TILE = 128  # dS scale tile edge (query rows and keys)
+DS_TILE = 64  # dS scale tile edge (query rows and keys): the Triton kernels' block
 Q_TILE_ROWS = 1024  # query rows per step of the twin; a multiple of DS_TILE (tiling must not move a dS tile)
 
 

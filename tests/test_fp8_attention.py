@@ -26,7 +26,7 @@ from megafp8.parallel.context_parallel import context_parallel_attention, split_
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.arguments import parse_and_check
 from megafp8.training.megatron_flags import LLAMA_FLAGS
-from megafp8_kernels import fp8_attention_reference
+from megafp8_kernels import element_format, fp8_attention_reference
 
 HYBRID = Fp8AttentionFormats()  # E4M3 forward, E5M2 dO and dS
 E4M3 = Fp8AttentionFormats(backward=torch.float8_e4m3fn)
@@ -105,9 +105,52 @@ def test_triton_forward_matches_the_twin(b, heads, groups, s, d, causal):
     assert (kernel[0] == twin[0]).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("b, heads, groups, s, d, causal, ds_dtype, pow2", [
+    (1, 4, 2, 77, 32, True, torch.float8_e5m2, False), (2, 2, 2, 64, 16, False, torch.float8_e4m3fn, True),
+    (1, 2, 1, 130, 64, True, torch.float8_e5m2, False)])
+def test_triton_backward_matches_the_twin(b, heads, groups, s, d, causal, ds_dtype, pow2):
+    """The two backward kernels (dK/dV per key block, dQ per query block; the interpreter on CPU) against the twin:
+    the same P and dS casts (dS's 64 x 64 tile scales included), so only the fp32 sums' order differs."""
+    from megafp8_kernels.fp8_attention_triton import fp8_attention_backward_triton
+
+    q, k, v, dout = attention_inputs(b, heads, groups, s, d, seed=d + 1)
+    (q8, q_inv), (k8, k_inv), (v8, v_inv) = (cast_per_tensor(t.float(), torch.float8_e4m3fn, False) for t in (q, k, v))
+    do8, do_inv = cast_per_tensor(dout.float(), torch.float8_e5m2, False)
+    out, lse = fp8_attention_reference.fp8_attention_forward(q8, k8, v8, q_inv, k_inv, v_inv, causal, d ** -0.5)
+    delta = (dout.float() * out).sum(-1)
+    args = (do8, q8, k8, v8, do_inv, q_inv, k_inv, v_inv, lse, delta, causal, d ** -0.5, element_format(ds_dtype),
+            pow2)
+    twin, kernel = fp8_attention_reference.fp8_attention_backward(*args), fp8_attention_backward_triton(*args)
+    for name, a, e in zip(("dq", "dk", "dv"), kernel, twin):
+        assert a.shape == e.shape and sqnr_db(a, e.double()) > 100, (name, sqnr_db(a, e.double()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+def test_triton_forward_on_cuda_matches_the_twin(d, causal):
+    """On the GPU (hardware fp8 casts and wgmma): the kernels against the CPU twin at a training-like block."""
+    from megafp8_kernels.fp8_attention_triton import fp8_attention_backward_triton, fp8_attention_forward_triton
+
+    q, k, v, dout = attention_inputs(2, 8, 2, 512, d, seed=d)
+    (q8, q_inv), (k8, k_inv), (v8, v_inv) = (cast_per_tensor(t.float(), torch.float8_e4m3fn, False) for t in (q, k, v))
+    twin = fp8_attention_reference.fp8_attention_forward(q8, k8, v8, q_inv, k_inv, v_inv, causal, d ** -0.5)
+    kernel = fp8_attention_forward_triton(*(t.cuda() for t in (q8, k8, v8, q_inv, k_inv, v_inv)), causal, d ** -0.5)
+    torch.testing.assert_close(kernel[1].cpu(), twin[1], rtol=0, atol=1e-5)
+    assert sqnr_db(kernel[0].cpu(), twin[0].double()) > 50
+    do8, do_inv = cast_per_tensor(dout.float(), torch.float8_e5m2, False)
+    delta = (dout.float() * twin[0]).sum(-1)
+    args = (do8, q8, k8, v8, do_inv, q_inv, k_inv, v_inv, twin[1], delta)
+    expected = fp8_attention_reference.fp8_attention_backward(*args, causal, d ** -0.5,
+                                                               element_format(torch.float8_e5m2))
+    got = fp8_attention_backward_triton(*(t.cuda() for t in args), causal, d ** -0.5,
+                                        element_format(torch.float8_e5m2))
+    for a, e in zip(got, expected):
+        assert sqnr_db(a.cpu(), e.double()) > 50
+
+
 def test_the_gpu_path_runs_the_triton_forward(monkeypatch):
-    """What a GPU takes (MEGAFP8_KERNEL_BACKEND=triton, here in the interpreter): fp8_dot_product_attention's forward
-    through the kernel, its backward through the twin, within fp32 rounding of the all-twin run."""
+    """What a GPU takes (MEGAFP8_KERNEL_BACKEND=triton, here in the interpreter): fp8_dot_product_attention forward
+    and backward through the kernels, within fp32 rounding of the twin's run."""
     q, k, v, dout = attention_inputs(1, 4, 2, 40, 16, seed=3)
     twin = _fp8(q, k, v, dout, HYBRID)
     monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "triton")

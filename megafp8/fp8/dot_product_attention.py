@@ -3,7 +3,7 @@
 Q, K, V are cast once per forward to the recipe's forward format (E4M3) with one current scale per tensor and rank
 (their amax on the device: no host sync, no state, nothing to checkpoint), dO once per backward to its gradient
 format (E5M2 under hybrid); P and dS are cast inside the blocks (``megafp8_kernels.fp8_attention_reference``: P with
-the fixed scale 448, dS per 128 x 128 tile). Under context parallelism the ring carries each rank's K/V as FP8
+the fixed scale 448, dS per 64 x 64 tile). Under context parallelism the ring carries each rank's K/V as FP8
 bytes with their two scales appended (one message, about half the BF16 bytes), and backward keeps those bytes and
 Q's instead of high-precision copies. One context-parallel rank runs the same code as a single diagonal block.
 """
@@ -40,15 +40,15 @@ def cast_per_tensor(t: torch.Tensor, dtype: torch.dtype, power_of_2_scale: bool)
     return q.data.view(t.shape), q.scale_inv.reshape(())
 
 
-def _forward_kernel(q8: torch.Tensor):
-    """The Triton forward on a GPU (MEGAFP8_KERNEL_BACKEND as for every kernel) for power-of-two head dims >= 16,
-    else the twin. The backward runs in the twin everywhere (no Triton backward kernel yet)."""
+def _kernels(q8: torch.Tensor):
+    """(forward, backward): the Triton kernels on a GPU (MEGAFP8_KERNEL_BACKEND as for every kernel) for
+    power-of-two head dims >= 16, else the twin."""
     d = q8.shape[-1]
     if resolve_backend(q8.device) == "triton" and d >= 16 and not d & (d - 1):
-        from megafp8_kernels.fp8_attention_triton import fp8_attention_forward_triton
+        from megafp8_kernels.fp8_attention_triton import fp8_attention_backward_triton, fp8_attention_forward_triton
 
-        return fp8_attention_forward_triton
-    return fp8_attention_forward
+        return fp8_attention_forward_triton, fp8_attention_backward_triton
+    return fp8_attention_forward, fp8_attention_backward
 
 
 class Fp8Blocks:
@@ -80,7 +80,7 @@ class Fp8Blocks:
     def attend(self, queries, kv: torch.Tensor, rows: slice, keys: slice, causal: bool, scale: float):
         q8, q_inv = queries
         k8, v8, k_inv, v_inv = self._unpack(kv)
-        return _forward_kernel(q8)(q8[..., rows, :], k8[..., keys, :], v8[..., keys, :], q_inv, k_inv, v_inv,
+        return _kernels(q8)[0](q8[..., rows, :], k8[..., keys, :], v8[..., keys, :], q_inv, k_inv, v_inv,
                                    causal, scale)
 
     def output_grads(self, dout: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -92,9 +92,9 @@ class Fp8Blocks:
                         scale: float):
         (do8, do_inv, delta), (q8, q_inv) = grads, queries
         k8, v8, k_inv, v_inv = self._unpack(kv)
-        return fp8_attention_backward(do8[..., rows, :], q8[..., rows, :], k8[..., keys, :], v8[..., keys, :],
-                                      do_inv, q_inv, k_inv, v_inv, lse[..., rows], delta[..., rows], causal, scale,
-                                      element_format(self.formats.backward), self.formats.power_of_2_scale)
+        return _kernels(q8)[1](do8[..., rows, :], q8[..., rows, :], k8[..., keys, :], v8[..., keys, :],
+                               do_inv, q_inv, k_inv, v_inv, lse[..., rows], delta[..., rows], causal, scale,
+                               element_format(self.formats.backward), self.formats.power_of_2_scale)
 
 
 @torch.compiler.disable  # --compile: runs eagerly between the layer's graphs, as ring attention does under CP

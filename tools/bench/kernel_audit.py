@@ -569,29 +569,37 @@ def norm_quantize_rows(ptxas: str | None, failures: list[str], mine: Callable[[i
     return compiled_case_rows(norm_quantize_cases(), launch, ptxas, failures, mine, first)
 
 
-ATTENTION_KERNEL = "_fp8_attention_forward_kernel"
+ATTENTION_KERNELS = ("_fp8_attention_forward_kernel", "_fp8_attention_dkdv_kernel", "_fp8_attention_dq_kernel")
 
 
 def attention_cases():
-    """(case label, kernel name, call) of the FP8 attention forward (fp8_attention_triton.py): head dims 64 and 128,
-    causal (the diagonal block, CP=1) and not (a ring block), GQA 8 query heads on 2 K/V heads."""
+    """(case label, kernel name, call) of the FP8 attention kernels (fp8_attention_triton.py): forward, dK/dV and dQ at
+    head dims 64 and 128, causal (the diagonal block, CP=1) and not (a ring block), GQA 8 query heads on 2 K/V
+    heads, dS in E5M2 (hybrid)."""
     import torch
 
-    from megafp8_kernels.fp8_attention_triton import fp8_attention_forward_triton
+    from megafp8_kernels import element_format
+    from megafp8_kernels.fp8_attention_triton import fp8_attention_backward_triton, fp8_attention_forward_triton
 
+    e5m2 = element_format(torch.float8_e5m2)
     for d in (64, 128):
         q = torch.zeros(1, 8, 256, d, dtype=torch.float8_e4m3fn)
         kv = torch.zeros(1, 2, 256, d, dtype=torch.float8_e4m3fn)
-        one = torch.ones(())
+        do = torch.zeros(1, 8, 256, d, dtype=torch.float8_e5m2)
+        one, rows = torch.ones(()), torch.zeros(1, 8, 256)
         for causal in (True, False):
-            yield f"d{d} {'causal' if causal else 'full'} gqa", ATTENTION_KERNEL, \
-                lambda q=q, kv=kv, one=one, causal=causal: \
+            label = f"d{d} {'causal' if causal else 'full'} gqa"
+            yield label, ATTENTION_KERNELS[0], lambda q=q, kv=kv, one=one, causal=causal: \
                 fp8_attention_forward_triton(q, kv, kv, one, one, one, causal, 0.125)
+            backward = lambda q=q, kv=kv, do=do, one=one, rows=rows, causal=causal: \
+                fp8_attention_backward_triton(do, q, kv, kv, one, one, one, one, rows, rows, causal, 0.125, e5m2)
+            yield label, ATTENTION_KERNELS[1], backward
+            yield label, ATTENTION_KERNELS[2], backward
 
 
 def attention_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
                    first: int = 0) -> list[dict]:
-    """One row per FP8 attention forward specialization, labelled with its warps and tile."""
+    """One row per FP8 attention kernel specialization, labelled with its warps and tile."""
     from megafp8_kernels import fp8_attention_triton as A
 
     def launch(case: str, kernel) -> str:
