@@ -103,8 +103,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if heads % kv_heads or (heads != kv_heads and not enable_gqa):
         raise ValueError(f"context parallel attention: {heads} query heads over {kv_heads} KV heads needs "
                          "enable_gqa=True and a whole number of query heads per KV head")
-    if cp_size == 1:
+    if cp_size == 1 and blocks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
+    if cp_size == 1:  # FP8 blocks: one diagonal block, no group
+        return ring_attention(q, k, v, None, 0, 1, comm_type, counters, scale, blocks)
     if q.shape[2] % 2:
         raise ValueError(f"context parallel attention: local sequence length {q.shape[2]} is not two equal chunks")
     if group is None:

@@ -1,6 +1,7 @@
 """Context-parallel attention per layer vs CP size: saved activation bytes, K/V p2p bytes, and the longest sequence a per-rank memory budget allows.
 
     python tools/bench/bench_context_parallel.py --cp 1 2 4 --seq 1024 --output /tmp/cp.json
+    python tools/bench/bench_context_parallel.py --fp8-attention ...   # the same with --fp8-dot-product-attention
 
 Part 1 (measured, gloo on CPU): one ``context_parallel_attention`` call (forward + backward) of a small
 attention (``--batch --heads --kv-heads --head-dim``, ``--dtype``) over a ``--seq``-token sequence on
@@ -45,7 +46,7 @@ def _measure(rank: int, args) -> dict:
     from megafp8.parallel.collectives import CommCounters
     from megafp8.parallel.context_parallel import context_parallel_attention, split_for_context_parallel
 
-    seq, batch, heads, kv_heads, head_dim, dtype_name, reps, comm_type = args
+    seq, batch, heads, kv_heads, head_dim, dtype_name, reps, comm_type, fp8 = args
     cp, dtype = dist.get_world_size(), _DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(batch, h, seq, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads)]
@@ -53,10 +54,16 @@ def _measure(rank: int, args) -> dict:
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     kwargs = dict(group=dist.group.WORLD, cp_rank=rank, cp_size=cp, comm_type=comm_type,
                   enable_gqa=heads != kv_heads)
+    if fp8:  # --fp8-dot-product-attention's operands (hybrid: E4M3 forward, E5M2 gradients); one instance per call
+        from megafp8.fp8.dot_product_attention import Fp8AttentionFormats, Fp8Blocks
+
+        blocks = lambda: Fp8Blocks(Fp8AttentionFormats())  # noqa: E731
+    else:
+        blocks = lambda: None  # noqa: E731
     counters = CommCounters()
     seen, hooks = _saved_bytes_hooks()
     with hooks:
-        out = context_parallel_attention(q, k, v, counters=counters, **kwargs)
+        out = context_parallel_attention(q, k, v, counters=counters, blocks=blocks(), **kwargs)
     forward_bytes = counters["cp_kv_p2p"]
     out.backward(dout)
     backward_bytes = counters["cp_kv_p2p"] - forward_bytes
@@ -64,27 +71,33 @@ def _measure(rank: int, args) -> dict:
     for _ in range(reps):
         dist.barrier()
         start = time.perf_counter()
-        context_parallel_attention(q, k, v, **kwargs).backward(dout)
+        context_parallel_attention(q, k, v, blocks=blocks(), **kwargs).backward(dout)
         times.append(time.perf_counter() - start)
     return {"cp": cp, "comm_type": comm_type, "local_tokens": seq // cp, "saved_bytes": sum(seen.values()),
             "fwd_p2p_bytes": forward_bytes, "bwd_p2p_bytes": backward_bytes,
             "fwd_bwd_ms": 1e3 * statistics.median(times) if times else None}
 
 
-def analytic_core_saved_bytes(local_tokens, batch, heads, kv_heads, head_dim, elem_size) -> int:
-    """q, k, v and the output in the input dtype, plus the fp32 lse per query row (CPU SDPA saves the same at CP=1)."""
+def analytic_core_saved_bytes(local_tokens, batch, heads, kv_heads, head_dim, elem_size, fp8=False) -> int:
+    """q, k, v and the output in the input dtype, plus the fp32 lse per query row (CPU SDPA saves the same at CP=1);
+    with FP8 attention q, k and v are saved as FP8 bytes (plus their three fp32 scales) instead."""
     tokens = batch * local_tokens
-    return tokens * head_dim * (2 * heads + 2 * kv_heads) * elem_size + tokens * heads * 4
+    qkv_size = 1 if fp8 else elem_size
+    return (tokens * head_dim * ((heads + 2 * kv_heads) * qkv_size + heads * elem_size) + tokens * heads * 4
+            + (12 if fp8 else 0))
 
 
-def analytic_p2p_bytes(comm_type, cp, local_tokens, batch, kv_heads, head_dim, elem_size) -> tuple[int, int]:
-    """(forward, backward) ``cp_kv_p2p`` bytes per rank per layer (see megafp8/parallel/ring_attention.py)."""
+def analytic_p2p_bytes(comm_type, cp, local_tokens, batch, kv_heads, head_dim, elem_size,
+                       fp8=False) -> tuple[int, int]:
+    """(forward, backward) ``cp_kv_p2p`` bytes per rank per layer (see megafp8/parallel/ring_attention.py); FP8
+    attention's K/V messages are FP8 bytes plus K's and V's fp32 scales."""
     if cp == 1:
         return 0, 0
     kv_elems = 2 * batch * kv_heads * local_tokens * head_dim
+    kv_message = kv_elems + 8 if fp8 else kv_elems * elem_size
     grad_size = max(elem_size, 4)  # dK/dV accumulate and travel in the fp32 compute dtype
     dkv_hops = cp if comm_type == "p2p" else cp - 1
-    return (cp - 1) * kv_elems * elem_size, (cp - 1) * kv_elems * elem_size + dkv_hops * kv_elems * grad_size
+    return (cp - 1) * kv_message, (cp - 1) * kv_message + dkv_hops * kv_elems * grad_size
 
 
 def layer_bytes_per_token(hidden, heads, kv_heads, head_dim, ffn, elem_size=2) -> int:
@@ -115,7 +128,8 @@ def measured_longest(cp: int, budget: int, args) -> int:
     ``budget``, searched upwards from 256 tokens (0 if 256 do not fit)."""
     seq, best = max(256, 2 * cp), 0
     while seq <= 1 << 16:
-        row = run_on_gloo(_measure, cp, (seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype, 0, "p2p"))
+        row = run_on_gloo(_measure, cp, (seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype, 0, "p2p",
+                                         args.fp8_attention))
         if row["saved_bytes"] > budget:
             break
         best, seq = seq, seq * 2
@@ -141,6 +155,8 @@ def main() -> None:
     parser.add_argument("--model-heads", type=int, default=32)
     parser.add_argument("--model-kv-heads", type=int, default=8)
     parser.add_argument("--model-ffn", type=int, default=14336)
+    parser.add_argument("--fp8-attention", action="store_true",
+                        help="FP8 dot-product attention (megafp8/fp8/dot_product_attention.py) instead of high precision")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     if any(args.seq % (2 * cp) for cp in args.cp):
@@ -155,14 +171,14 @@ def main() -> None:
     for cp in args.cp:
         for comm_type in (args.comm_types if cp > 1 else ["p2p"]):
             row = run_on_gloo(_measure, cp, (args.seq, args.batch, args.heads, args.kv_heads, args.head_dim,
-                                             args.dtype, args.reps, comm_type))
+                                             args.dtype, args.reps, comm_type, args.fp8_attention))
             local = row["local_tokens"]
             row["saved_bytes_analytic"] = analytic_core_saved_bytes(local, args.batch, args.heads, args.kv_heads,
-                                                                    args.head_dim, elem)
+                                                                    args.head_dim, elem, args.fp8_attention)
             row["fwd_p2p_analytic"], row["bwd_p2p_analytic"] = analytic_p2p_bytes(
-                comm_type, cp, local, args.batch, args.kv_heads, args.head_dim, elem)
+                comm_type, cp, local, args.batch, args.kv_heads, args.head_dim, elem, args.fp8_attention)
             rows.append(row)
-            print(f"| {cp} | {comm_type if cp > 1 else 'sdpa'} | {local} | {row['saved_bytes']:,} / "
+            print(f"| {cp} | {comm_type if cp > 1 else 'fp8 block' if args.fp8_attention else 'sdpa'} | {local} | {row['saved_bytes']:,} / "
                   f"{row['saved_bytes_analytic']:,} | {row['fwd_p2p_bytes']:,} / {row['fwd_p2p_analytic']:,} | "
                   f"{row['bwd_p2p_bytes']:,} / {row['bwd_p2p_analytic']:,} | {row['fwd_bwd_ms']:.1f} |")
     per_token = layer_bytes_per_token(args.model_hidden, args.model_heads, args.model_kv_heads,
