@@ -84,6 +84,15 @@ def input_errors(args) -> tuple[int | None, list[str]]:
         error = save_dir_error(args.save)
         if error:
             errors.append(error)
+    if os.environ.get("MEGAFP8_FORCE_OUTLIER"):  # a test hook (megafp8/fp8/forced_outlier.py)
+        from megafp8.fp8.forced_outlier import ForcedOutlier
+
+        try:
+            ForcedOutlier.from_env()
+        except ValueError as e:
+            errors.append(str(e))
+        if args.fp8_format is None:
+            errors.append("MEGAFP8_FORCE_OUTLIER grows an FP8 layer's input outliers: it needs --fp8-format")
     if os.environ.get("MEGAFP8_FORCE_FP8_OVERFLOW"):  # a test hook (megafp8/fp8/forced_overflow.py)
         from megafp8.fp8.forced_overflow import check_forced_overflow
 

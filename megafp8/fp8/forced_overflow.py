@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ class ForcedOverflow:
     layer: str
     from_iteration: int
     factor: float = DEFAULT_FACTOR
+    ENV: ClassVar[str] = ENV
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ForcedOverflow | None:
@@ -43,6 +45,9 @@ class ForcedOverflow:
                              "e.g. layers.1.mlp.linear_fc2@100x16")
         factor = float(match["factor"]) if match["factor"] else DEFAULT_FACTOR
         return cls(match["layer"], int(match["iteration"]), factor)
+
+    def describe(self) -> str:
+        return f"{self.layer}'s FP8 input scale x{self.factor:g} from iteration {self.from_iteration}"
 
     def target(self, model: nn.Module) -> nn.Module | None:
         """The FP8 layer on this rank's model chunks, or None when another pipeline stage holds it."""

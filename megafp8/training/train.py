@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
-from megafp8.fp8.forced_overflow import ENV as FORCED_OVERFLOW_ENV, ForcedOverflow
+from megafp8.fp8.forced_outlier import ForcedOutlier
+from megafp8.fp8.forced_overflow import ForcedOverflow
 from megafp8.fp8.kurtosis import KurtosisWarning, collect_kurtosis, enable_kurtosis
 from megafp8.fp8.rounding_keys import begin_rounding_iteration
 from megafp8.fp8.telemetry import collect_block_scale_histograms
@@ -179,7 +180,7 @@ class Trainer:
         self.log = TrainingLog(args.log_dir, args.tensorboard_dir) if self.is_logging_rank else TrainingLog()
         # Each pipeline stage's first TP/CP/DP rank speaks for the saturation guard's switches of its layers.
         self.is_stage_lead = ps.coords.tp == 0 and ps.coords.cp == 0 and ps.coords.dp == 0
-        self.forced_overflow, self.forced_overflow_layer = self._forced_overflow()
+        self.test_hooks = self._test_hooks()  # [(hook, its layer on this rank or None)]
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
         self.valid_batches = (batches(self.valid_data, self.progress.consumed_valid_samples, args, parallel_state,
@@ -239,8 +240,9 @@ class Trainer:
             begin_rounding_iteration(self.pipeline.chunks, self.args.seed, self.progress.iteration + 1, self.ps.rank)
         inputs, labels = self._global_batch(self.train_batches)
         loss_mask = self.loss_mask(labels)
-        if self.forced_overflow_layer is not None:
-            self.forced_overflow.arm(self.forced_overflow_layer, self.progress.iteration + 1)
+        for hook, layer in self.test_hooks:
+            if layer is not None:
+                hook.arm(layer, self.progress.iteration + 1)
         loss = self.pipeline.forward_backward(inputs, labels, loss_mask)
         if self.args.empty_unused_memory_level >= 1:  # Megatron's places: level 1 after forward/backward,
             torch.cuda.empty_cache()                   # level 2 after the optimizer step as well
@@ -450,20 +452,20 @@ class Trainer:
             for event in events:
                 self.log.log_guard_switch(**event)
 
-    def _forced_overflow(self) -> tuple[ForcedOverflow | None, torch.nn.Module | None]:
-        """The forced-overflow test hook (megafp8.fp8.forced_overflow), checked to name a layer of some stage,
-        and that layer if this rank holds it (looked up once, not every step)."""
-        hook = ForcedOverflow.from_env()
-        if hook is None:
-            return None, None
-        layer = hook.target(self.ddp.module)
-        if not _on_any_rank(layer is not None):
-            raise ValueError(f"{FORCED_OVERFLOW_ENV}: the model has no layer {hook.layer!r} (names as in the FP8 "
-                             "telemetry tags, e.g. layers.0.mlp.linear_fc2)")
-        if self.is_logging_rank:
-            print(f" test hook {FORCED_OVERFLOW_ENV}: {hook.layer}'s FP8 input scale x{hook.factor:g} from iteration "
-                  f"{hook.from_iteration}", flush=True)
-        return hook, layer
+    def _test_hooks(self) -> list[tuple]:
+        """The forced-overflow and forced-outlier test hooks (megafp8.fp8.forced_overflow / forced_outlier) set in
+        the environment, each checked to name a layer of some stage, with that layer if this rank holds it (looked
+        up once, not every step)."""
+        hooks = []
+        for hook in filter(None, (ForcedOverflow.from_env(), ForcedOutlier.from_env())):
+            layer = hook.target(self.ddp.module)
+            if not _on_any_rank(layer is not None):
+                raise ValueError(f"{hook.ENV}: the model has no layer {hook.layer!r} (names as in the FP8 telemetry "
+                                 "tags, e.g. layers.0.mlp.linear_fc2)")
+            if self.is_logging_rank:
+                print(f" test hook {hook.ENV}: {hook.describe()}", flush=True)
+            hooks.append((hook, layer))
+        return hooks
 
     def _log_validation(self, val_loss: float) -> None:
         if self.is_logging_rank:
