@@ -88,7 +88,7 @@ def test_cp2_checkpoint_loads_at_cp1_and_cp4(data_prefix, tmp_path, cp1):
         _assert_close(resumed, {it: cp1[it] for it in (3, 4)}, 1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "fp8"])
 def test_cp2_with_a_zero_bubble_schedule_trains_like_cp1(data_prefix, tmp_path, precision):
     """PP2 x CP2 under zbv (the FP8 weight-gradient split in its W pass) against one process without CP or PP."""
     flags = [*ZERO, "--overlap-grad-reduce", "--num-layers", "4", "--global-batch-size", "8",

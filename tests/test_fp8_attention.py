@@ -200,7 +200,7 @@ def _cp_body(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp_size", [2, 4])
+@pytest.mark.parametrize("cp_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fp8_ring_attention_matches_one_rank_within_fp8_bounds(cp_size):
     run_distributed(_cp_body, world_size=cp_size, timeout_s=300)
 

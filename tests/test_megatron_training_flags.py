@@ -164,7 +164,7 @@ def test_decoupled_lr_matches_adamw_with_two_param_groups_dp1(fused, tie):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fused", [False, True], ids=["twin", "fused"])
+@pytest.mark.parametrize("fused", [pytest.param(False, marks=pytest.mark.slow), True], ids=["twin", "fused"])
 def test_decoupled_lr_matches_adamw_with_two_param_groups_dp2(fused):
     run_distributed(_decoupled_body, world_size=2, args=(fused, False), timeout_s=600)
 
@@ -257,7 +257,7 @@ def _per_token_body(rank: int, world_size: int, pp: int, log_dir: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "pp2_dp2"])
+@pytest.mark.parametrize("pp", [pytest.param(1, marks=pytest.mark.slow), 2], ids=["dp2", "pp2_dp2"])  # pp2_dp2 has DP2
 def test_per_token_loss_is_the_global_batch_token_mean(pp, tmp_path):
     run_distributed(_per_token_body, world_size=2 * pp, args=(pp, str(tmp_path)), timeout_s=600)
 

@@ -139,7 +139,7 @@ def _load_body(rank, world_size, directory, saved_world, state_dtype):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("state_dtype", ["fp32", "fp8"])
+@pytest.mark.parametrize("state_dtype", [pytest.param("fp32", marks=pytest.mark.slow), "fp8"])
 def test_save_at_dp4_load_at_dp2(tmp_path, state_dtype):
     run_distributed(_save_body, world_size=4, args=(str(tmp_path), state_dtype), timeout_s=600)
     run_distributed(_load_body, world_size=2, args=(str(tmp_path), 4, state_dtype), timeout_s=600)

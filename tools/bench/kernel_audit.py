@@ -331,7 +331,7 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
     first += len(list(optimizer_cases(quick)))
     rows += training_rows(ptxas, failures, mine, first, quick)
     first += len(list(training_cases(quick)))
-    rows += attention_rows(ptxas, failures, mine, first)
+    rows += attention_rows(ptxas, failures, mine, first, quick)
     return rows, failures
 
 
@@ -357,7 +357,7 @@ def case_families(quick: bool) -> list[str]:
     families += ["norm_quantize"] * len(list(norm_quantize_cases()))
     families += ["optimizer"] * len(list(optimizer_cases(quick)))
     families += [f"training {family}" for _, family, _ in training_cases(quick)]
-    families += ["attention"] * len(list(attention_cases()))
+    families += ["attention"] * len(list(attention_cases(quick)))
     return families
 
 
@@ -572,17 +572,17 @@ def norm_quantize_rows(ptxas: str | None, failures: list[str], mine: Callable[[i
 ATTENTION_KERNELS = ("_fp8_attention_forward_kernel", "_fp8_attention_dkdv_kernel", "_fp8_attention_dq_kernel")
 
 
-def attention_cases():
+def attention_cases(quick: bool = False):
     """(case label, kernel name, call) of the FP8 attention kernels (fp8_attention_triton.py): forward, dK/dV and dQ at
-    head dims 64 and 128, causal (the diagonal block, CP=1) and not (a ring block), GQA 8 query heads on 2 K/V
-    heads, dS in E5M2 (hybrid)."""
+    head dims 64 and 128 (quick: 128, the register-heavier), causal (the diagonal block, CP=1) and not (a ring
+    block), GQA 8 query heads on 2 K/V heads, dS in E5M2 (hybrid)."""
     import torch
 
     from megafp8_kernels import element_format
     from megafp8_kernels.fp8_attention_triton import fp8_attention_backward_triton, fp8_attention_forward_triton
 
     e5m2 = element_format(torch.float8_e5m2)
-    for d in (64, 128):
+    for d in (128,) if quick else (64, 128):
         q = torch.zeros(1, 8, 256, d, dtype=torch.float8_e4m3fn)
         kv = torch.zeros(1, 2, 256, d, dtype=torch.float8_e4m3fn)
         do = torch.zeros(1, 8, 256, d, dtype=torch.float8_e5m2)
@@ -598,14 +598,14 @@ def attention_cases():
 
 
 def attention_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
-                   first: int = 0) -> list[dict]:
+                   first: int = 0, quick: bool = False) -> list[dict]:
     """One row per FP8 attention kernel specialization, labelled with its warps and tile."""
     from megafp8_kernels import fp8_attention_triton as A
 
     def launch(case: str, kernel) -> str:
         return f"w{kernel.metadata.num_warps if kernel else A.WARPS} {A.BLOCK_M}x{A.BLOCK_N}"
 
-    return compiled_case_rows(attention_cases(), launch, ptxas, failures, mine, first)
+    return compiled_case_rows(attention_cases(quick), launch, ptxas, failures, mine, first)
 
 
 def optimizer_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
