@@ -97,7 +97,6 @@ class Fp8Blocks:
                                element_format(self.formats.backward), self.formats.power_of_2_scale)
 
 
-@torch.compiler.disable  # --compile: runs eagerly between the layer's graphs, as ring attention does under CP
 def fp8_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: Fp8AttentionFormats,
                               scale: float | None = None) -> torch.Tensor:
     """Causal FP8 attention of one rank's whole sequence (no context parallelism): q ``[b, H, s, d]``, k/v
