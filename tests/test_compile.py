@@ -139,3 +139,28 @@ def test_whole_model_with_loss_compiles_fullgraph_delayed_fp8():
         assert not torch.allclose(model(ids, labels).mean().detach(), loss0, rtol=1e-6, atol=0)
     for name in grads0:
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_layers_record_the_kurtosis_monitors_moments():
+    """--compile with --log-fp8-telemetry: each compiled FP8 linear writes its input's moments into the slot it
+    owns (megafp8.fp8.kurtosis.add_moments_slot), and the kurtosis and RMS equal the eager layers'."""
+    from megafp8.fp8.kurtosis import collect_kurtosis, enable_kurtosis
+    from megafp8.model.compile import compile_layers
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=16)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    values = []
+    for compiled in (False, True):
+        model = GPTModel(cfg, ParallelState().init_process_groups(), fp8_recipe=Fp8Recipe.tensorwise())
+        if compiled:
+            torch._dynamo.reset()
+            assert compile_layers([model], backend="aot_eager", fullgraph=True) == 2
+        enable_kurtosis(model, True)
+        model(ids)
+        values.append(collect_kurtosis(model))
+        fc2 = model.layers["0"].mlp.linear_fc2
+        assert (fc2.input_moments is fc2.__dict__.get("input_moments_slot")) == compiled  # the graph wrote it
+        enable_kurtosis(model, False)
+    assert len(values[1]) == 2 * 2 * 4  # kurtosis and RMS of every FP8 linear of both layers
+    for key, eager in values[0].items():
+        assert abs(values[1][key] - eager) <= 1e-9 * abs(eager), (key, values[1][key], eager)

@@ -106,8 +106,7 @@ def test_compiled_3d_fp8_run_matches_eager(recipe, data_prefix, tmp_path):
 @pytest.mark.parametrize("layout", [
     pytest.param(["--context-parallel-size", "2", "--recompute-granularity", "selective"], id="cp2-selective-recompute"),
     pytest.param(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--recompute-granularity",
-                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], id="zbv-full-recompute",
-                 marks=pytest.mark.slow),
+                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], id="zbv-full-recompute"),
 ])
 def test_compiled_cp_recompute_and_zero_bubble_runs_match_eager(layout, data_prefix, tmp_path):
     """Two processes: context parallelism (ring attention between graphs) with selective recompute, and a

@@ -36,8 +36,21 @@ def kurtosis_and_rms(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def record_input_moments(layer: nn.Module, x: torch.Tensor) -> None:
-    """Keep ``x``'s moments on ``layer`` (the FP8 op calls it while ``layer.kurtosis_enabled``)."""
-    layer.input_moments = input_moments(x)
+    """Keep ``x``'s moments on ``layer`` (the FP8 op calls it while ``layer.kurtosis_enabled``). Inside a compiled
+    graph, which cannot store a new reference on the layer, they go into the slot ``add_moments_slot`` gave it."""
+    if torch.compiler.is_compiling():
+        layer.__dict__["input_moments_slot"].copy_(input_moments(x))
+    else:
+        layer.input_moments = input_moments(x)
+
+
+def add_moments_slot(layer: nn.Module, device: torch.device) -> None:
+    """Give ``layer`` moments it owns, written in place by its compiled graph (call it eagerly before the compiled
+    call, as the FP8 telemetry's slots: megafp8.model.compile)."""
+    slot = layer.__dict__.get("input_moments_slot")
+    if slot is None:
+        slot = layer.__dict__["input_moments_slot"] = torch.zeros(5, dtype=torch.float64, device=device)
+    layer.input_moments = slot
 
 
 def enable_kurtosis(model: nn.Module, enabled: bool) -> None:

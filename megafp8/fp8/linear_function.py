@@ -267,8 +267,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
         x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
         # The kurtosis monitor's log iterations (kurtosis.py): an extra pass over the input; the fused prologue never
-        # wrote it in high precision, so it runs again. Not inside a compiled graph (no host state to write there).
-        if not torch.compiler.is_compiling() and layer.kurtosis_enabled:
+        # wrote it in high precision, so it runs again (a compiled graph writes the layer's moments slot).
+        if layer.kurtosis_enabled:
             record_input_moments(layer, prologue.forward(raw, *prologue_params)[0] if fused is not None else x)
 
         # ---- quantize x (and keep x^T for wgrad); under SP gather this rank's FP8 shard ----

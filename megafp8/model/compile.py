@@ -9,8 +9,9 @@ What runs where, per call of a compiled layer (or its attention under --cuda-gra
     eager    the whole layer while one of its delayed-scaling states is cold (the first step of a run, after a
              reset or a load of an empty history): cold states quantize with current scaling and record on the
              host when they first observed, which a graph cannot do;
-    eager    the FP8 telemetry's slots (the saturation guard reads it every step): statistics the layer owns, of
-             fixed shapes, which the graph writes in place (megafp8.fp8.telemetry.add_fp8_telemetry_slots);
+    eager    the FP8 telemetry's slots (the saturation guard reads it every step) and, on the kurtosis monitor's
+             iterations, the input moments' slot: statistics the layer owns, of fixed shapes, which the graph writes
+             in place (megafp8.fp8.telemetry.add_fp8_telemetry_slots, megafp8.fp8.kurtosis.add_moments_slot);
     graph    the rest: norms, RoPE, attention, SwiGLU, the activation and gradient casts, the FP8 GEMMs, the
              amax observations into the delayed states' device buffers, the in-cast telemetry counters.
 Outside every graph, as in eager runs: the delayed-scaling update after the backward (one amax collective), the
@@ -36,6 +37,7 @@ from torch import nn
 from megafp8.fp8.autocast import resolve_recipe
 from megafp8.fp8.linear import Fp8GemmModule
 from megafp8.fp8.scaling_state import ScalingState
+from megafp8.fp8.kurtosis import add_moments_slot
 from megafp8.fp8.telemetry import add_fp8_telemetry_slots
 
 CUDA_GRAPH_SCOPES = ("full", "attn")  # Megatron's --cuda-graph-scope names: the whole layer, or its attention
@@ -58,11 +60,16 @@ class _EagerPrologueThenCompiled:
 
     def _add_telemetry_slots(self) -> None:
         """Statistics each FP8 linear recording telemetry owns, which its graph writes in place: the input's and
-        gradient's, and the weight's where the layer quantizes its own (megafp8.fp8.telemetry)."""
+        gradient's, and the weight's where the layer quantizes its own (megafp8.fp8.telemetry), and the input's
+        moments on the kurtosis monitor's iterations (megafp8.fp8.kurtosis)."""
         for m in self.fp8_modules:
-            if m.telemetry_enabled and resolve_recipe(m.recipe, m.runs_high_precision) is not None:
+            if resolve_recipe(m.recipe, m.runs_high_precision) is None:
+                continue
+            if m.telemetry_enabled:
                 roles = ("input", "grad_output") + (("weight",) if m._injected_weight is None else ())
                 add_fp8_telemetry_slots(m, roles, m.weight.device)
+            if m.kurtosis_enabled:
+                add_moments_slot(m, m.weight.device)
 
     def __call__(self, *args, **kwargs):
         module = self.module
