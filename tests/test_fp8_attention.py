@@ -228,6 +228,41 @@ def test_attention_runs_fp8_exactly_where_its_qkv_projection_does():
     assert torch.equal(model(ids), plain(ids))
 
 
+def test_delayed_recipe_scales_the_attention_casts_from_their_own_amax_histories():
+    """Under a delayed recipe each FP8 attention owns ScalingStates for Q, K, V and dO: cold, a call casts with the
+    current scale and observes each tensor's amax; after the step's update the next call casts with the stale scale
+    (inputs that grew 4x saturate, as any delayed cast) and observes the new amax. The model builds them in its FP8
+    layers only, and its scaling manager finds them."""
+    from torch import nn
+
+    from megafp8.fp8.scaling_state import Fp8ScalingManager, ScalingState
+
+    recipe = Fp8Recipe.delayed()
+    states = {role: ScalingState(recipe, torch.float8_e5m2 if role == "grad_output" else torch.float8_e4m3fn)
+              for role in ("query", "key", "value", "grad_output")}
+    manager = Fp8ScalingManager(nn.ModuleDict(states), None)
+    q, k, v, dout = (t.float() for t in attention_inputs(1, 4, 2, 24, 16, seed=5))
+    for growth in (1.0, 4.0):
+        mine = [(t * growth).requires_grad_() for t in (q, k, v)]
+        out = fp8_dot_product_attention(*mine, HYBRID, states=states)
+        out.backward(dout)
+        for role, t in zip(("query", "key", "value", "grad_output"), (*mine, dout)):
+            assert states[role].pending_amax == t.detach().abs().amax(), role
+        if growth == 4.0:  # the scale is last step's: 448 / amax(q), so 4q saturates
+            q8, q_inv = cast_per_tensor(mine[0].detach(), torch.float8_e4m3fn, False, states["query"])
+            assert q_inv == 1 / states["query"].scale and q8.float().abs().max() == 448
+        manager.update()
+    assert all(not s.is_cold for s in states.values())
+    model = _model(fp8_dot_product_attention=True)  # --first-last-layers-bf16 1 of 3 layers, tensorwise
+    assert not any(hasattr(layer.self_attention, "fp8_scaling") for layer in model.layers.values())
+    cfg = model.config
+    model = GPTModel(cfg, ParallelState().init_process_groups(), fp8_recipe=Fp8Recipe.delayed(),
+                     first_last_layers_bf16=1)
+    assert [hasattr(layer.self_attention, "fp8_scaling") for layer in model.layers.values()] == [False, True, False]
+    names = [n for n, m in model.named_modules() if isinstance(m, ScalingState) and "self_attention.fp8_scaling" in n]
+    assert names == [f"layers.1.self_attention.fp8_scaling.{role}" for role in ("query", "key", "value", "grad_output")]
+
+
 def test_selective_recompute_replays_the_same_fp8_attention():
     """--recompute-granularity selective recomputes the core attention in backward: the FP8 casts it replays are
     the forward's (current scales of the same tensors), so the gradients are bit-identical."""
@@ -272,7 +307,7 @@ def _train(data: str, log_dir, *flags: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_tp2_cp2_training_with_fp8_attention_tracks_high_precision_attention(tmp_path):
+def test_tp2_cp2_training_with_fp8_attention_tracks_high_precision_attention_and_resumes_bit_exact(tmp_path):
     prefix = str(tmp_path / "synthetic_text_document")
     write_synthetic_dataset(prefix, [50] * 200, vocab_size=500)
     plain = _train(prefix, tmp_path / "plain")
@@ -288,6 +323,11 @@ def test_tp2_cp2_training_with_fp8_attention_tracks_high_precision_attention(tmp
     calls = 2 * 2
     assert [r["comm_bytes"]["cp_kv_p2p"] for r in plain] == [calls * (2 * kv * 4 + 2 * kv * 4)] * 4
     assert [r["comm_bytes"]["cp_kv_p2p"] for r in fp8] == [calls * (2 * (kv + 8) + 2 * kv * 4)] * 4
+    # The attention's delayed-scaling states are checkpointed with the linears': a resume is bit-exact.
+    save = str(tmp_path / "ckpt")
+    _train(prefix, tmp_path / "first", "--fp8-dot-product-attention", "--save", save, "--exit-interval", "2")
+    resumed = _train(prefix, tmp_path / "resumed", "--fp8-dot-product-attention", "--load", save)
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in fp8[2:]]
 
 
 @pytest.mark.slow

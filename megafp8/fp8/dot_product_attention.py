@@ -1,8 +1,9 @@
 """FP8 dot-product attention (--fp8-dot-product-attention): the operands ring attention holds and attends in FP8.
 
-Q, K, V are cast once per forward to the recipe's forward format (E4M3) with one current scale per tensor and rank
-(their amax on the device: no host sync, no state, nothing to checkpoint), dO once per backward to its gradient
-format (E5M2 under hybrid); P and dS are cast inside the blocks (``megafp8_kernels.fp8_attention_reference``: P with
+Q, K, V are cast once per forward to the recipe's forward format (E4M3), dO once per backward to its gradient
+format (E5M2 under hybrid), each with one scale per tensor: under a delayed recipe the attention's own
+ScalingStates' (amax histories updated with the linears' in the step's one amax reduction, checkpointed with them;
+current scaling while a state is cold), else a current one from the tensor's amax on the device (no host sync); P and dS are cast inside the blocks (``megafp8_kernels.fp8_attention_reference``: P with
 the fixed scale 448, dS per 64 x 64 tile). Under context parallelism the ring carries each rank's K/V as FP8
 bytes with their two scales appended (one message, about half the BF16 bytes), and backward keeps those bytes and
 Q's instead of high-precision copies. One context-parallel rank runs the same code as a single diagonal block.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megafp8.fp8.recipe import Fp8Recipe
+from megafp8.fp8.scaling_state import ScalingState
 from megafp8_kernels import Granularity, element_format, quantize, resolve_backend
 from megafp8_kernels.fp8_attention_reference import fp8_attention_backward, fp8_attention_forward
 
@@ -34,9 +36,18 @@ class Fp8AttentionFormats:
         return cls(recipe.dtype("input"), recipe.dtype("grad_output"), recipe.power_of_2_scale)
 
 
-def cast_per_tensor(t: torch.Tensor, dtype: torch.dtype, power_of_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 data in t's shape, fp32 0-d scale_inv): one current scale for the whole tensor."""
-    q = quantize(t.reshape(-1, t.shape[-1]), dtype, Granularity.TENSORWISE, power_of_2_scale=power_of_2_scale)
+ROLES = ("query", "key", "value", "grad_output")  # the delayed-scaling states of an attention (SelfAttention)
+
+
+def cast_per_tensor(t: torch.Tensor, dtype: torch.dtype, power_of_2_scale: bool,
+                    state: ScalingState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data in t's shape, fp32 0-d scale_inv): one scale for the whole tensor, the delayed ``state``'s once it
+    is warm (the tensor's amax is then observed for the next update), else the current one from t's amax."""
+    given = None if state is None or state.is_cold else state.scale
+    q = quantize(t.reshape(-1, t.shape[-1]), dtype, Granularity.TENSORWISE, power_of_2_scale=power_of_2_scale,
+                 scale=given)
+    if state is not None:
+        state.observe(q.amax)
     return q.data.view(t.shape), q.scale_inv.reshape(())
 
 
@@ -54,19 +65,24 @@ def _kernels(q8: torch.Tensor):
 class Fp8Blocks:
     """Ring attention's operands in FP8 (``HighPrecisionBlocks``' interface): queries ``(q8, q_inv)``, the K/V
     message ``uint8[K8 bytes, V8 bytes, k_inv, v_inv]``, output gradients ``(dO8, do_inv, delta)``. One instance
-    per attention call (it remembers the K/V shape the messages carry)."""
+    per attention call (it remembers the K/V shape the messages carry). ``states``: the delayed-scaling states by
+    role (``ROLES``), or None for current scaling."""
 
-    def __init__(self, formats: Fp8AttentionFormats) -> None:
+    def __init__(self, formats: Fp8AttentionFormats, states: dict[str, ScalingState] | None = None) -> None:
         self.formats = formats
+        self.states = states or {}
         self.kv_shape: torch.Size | None = None
 
+    def _cast(self, t: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.formats.backward if role == "grad_output" else self.formats.forward
+        return cast_per_tensor(t, dtype, self.formats.power_of_2_scale, self.states.get(role))
+
     def queries(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return cast_per_tensor(q, self.formats.forward, self.formats.power_of_2_scale)
+        return self._cast(q, "query")
 
     def pack_kv(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_shape = k.shape
-        (k8, k_inv), (v8, v_inv) = (cast_per_tensor(t, self.formats.forward, self.formats.power_of_2_scale)
-                                    for t in (k, v))
+        (k8, k_inv), (v8, v_inv) = self._cast(k, "key"), self._cast(v, "value")
         data = torch.stack([k8, v8]).view(torch.uint8).flatten()
         return torch.cat([data, torch.stack([k_inv, v_inv]).view(torch.uint8)])
 
@@ -86,7 +102,7 @@ class Fp8Blocks:
     def output_grads(self, dout: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # delta = rowsum(dO * O) from the high-precision dO (FlashAttention's preprocessing pass reads it too).
         delta = (dout.float() * out.float()).sum(dim=-1)
-        return (*cast_per_tensor(dout, self.formats.backward, self.formats.power_of_2_scale), delta)
+        return (*self._cast(dout, "grad_output"), delta)
 
     def attend_backward(self, grads, queries, kv: torch.Tensor, out, lse, rows: slice, keys: slice, causal: bool,
                         scale: float):
@@ -98,9 +114,11 @@ class Fp8Blocks:
 
 
 def fp8_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, formats: Fp8AttentionFormats,
-                              scale: float | None = None) -> torch.Tensor:
+                              scale: float | None = None,
+                              states: dict[str, ScalingState] | None = None) -> torch.Tensor:
     """Causal FP8 attention of one rank's whole sequence (no context parallelism): q ``[b, H, s, d]``, k/v
-    ``[b, G, s, d]`` (GQA when G < H) in, ``[b, H, s, d]`` in q's dtype out; differentiable."""
+    ``[b, G, s, d]`` (GQA when G < H) in, ``[b, H, s, d]`` in q's dtype out; differentiable. ``states``: delayed
+    scaling by role (``ROLES``), or None for current scaling."""
     from megafp8.parallel.ring_attention import ring_attention
 
-    return ring_attention(q, k, v, None, 0, 1, "p2p", None, scale, blocks=Fp8Blocks(formats))
+    return ring_attention(q, k, v, None, 0, 1, "p2p", None, scale, blocks=Fp8Blocks(formats, states))

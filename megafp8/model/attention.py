@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.fp8.autocast import resolve_recipe
-from megafp8.fp8.dot_product_attention import Fp8AttentionFormats, Fp8Blocks, fp8_dot_product_attention
+from megafp8.fp8.dot_product_attention import ROLES, Fp8AttentionFormats, Fp8Blocks, fp8_dot_product_attention
+from megafp8.fp8.recipe import Fp8Recipe
+from megafp8.fp8.scaling_state import ScalingState
 from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import mask_generator
@@ -84,14 +86,34 @@ class SelfAttention(nn.Module):
             out = core(q, k, v, *rotary)
         return self.linear_proj(out)
 
-    def fp8_formats(self) -> Fp8AttentionFormats | None:
-        """With --fp8-dot-product-attention, the casts of this forward: attention runs FP8 exactly when its QKV
-        projection runs an 8-bit recipe now (so a guard or schedule move of that layer to high precision, or to FP4,
-        takes attention with it, and fp8_autocast(enabled=False) turns both off)."""
+    def add_fp8_scaling(self, recipe: Fp8Recipe) -> None:
+        """Delayed-scaling states for the attention's casts (Q, K, V, dO) under a delayed recipe: the model's
+        scaling manager finds them with the linears' (one amax reduction per step) and checkpoints hold them."""
+        self.fp8_scaling = nn.ModuleDict({role: ScalingState(recipe, recipe.dtype("grad_output" if role == "grad_output"
+                                                                                  else "input"))
+                                          for role in ROLES})
+
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """With --fp8-dot-product-attention, the recipe attention's casts follow now: its QKV projection's when that
+        is an 8-bit one (so a guard or schedule move of that layer to high precision, or to FP4, takes attention
+        with it, and fp8_autocast(enabled=False) turns both off), else None (high precision)."""
         if not self.fp8_dot_product_attention:
             return None
         recipe = resolve_recipe(self.linear_qkv.recipe, self.linear_qkv.runs_high_precision)
-        return Fp8AttentionFormats.from_recipe(recipe) if recipe is not None and recipe.element_bits == 8 else None
+        return recipe if recipe is not None and recipe.element_bits == 8 else None
+
+    def fp8_formats(self) -> Fp8AttentionFormats | None:
+        recipe = self.fp8_recipe()
+        return None if recipe is None else Fp8AttentionFormats.from_recipe(recipe)
+
+    def fp8_blocks(self) -> Fp8Blocks | None:
+        """This call's FP8 operands (None: high precision), with the delayed states when the recipe is theirs."""
+        recipe = self.fp8_recipe()
+        if recipe is None:
+            return None
+        states = getattr(self, "fp8_scaling", None)
+        delayed = recipe.is_delayed and states is not None and states["query"].recipe == recipe
+        return Fp8Blocks(Fp8AttentionFormats.from_recipe(recipe), dict(states.items()) if delayed else None)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, rng: ModelParallelRNG | None = None) -> torch.Tensor:
@@ -106,15 +128,15 @@ class SelfAttention(nn.Module):
         gqa = self.local_heads != self.local_groups
         ps = self.parallel_state
         dropout = self.attention_dropout if self.training else 0.0
-        fp8 = self.fp8_formats()
+        fp8 = self.fp8_blocks()
         if fp8 is not None and ps.cp_size == 1:
-            out = fp8_dot_product_attention(q, k, v, fp8, scale=self.softmax_scale)
+            out = fp8_dot_product_attention(q, k, v, fp8.formats, scale=self.softmax_scale, states=fp8.states)
         elif ps.cp_size > 1:  # ring (or all-gather) attention over the CP ranks, merged by log-sum-exp
             if dropout:  # validate_model refuses the config; a hand-built layer would silently skip it
                 raise ValueError("--attention-dropout is not supported with --context-parallel-size > 1")
             out = context_parallel_attention(q, k, v, group=ps.cp_group.group, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
                                              comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa,
-                                             scale=self.softmax_scale, blocks=None if fp8 is None else Fp8Blocks(fp8))
+                                             scale=self.softmax_scale, blocks=fp8)
         elif dropout:
             # Each TP rank holds other heads: its masks come from its own stream (Megatron's tracker fork).
             with mask_generator(rng, True, ps.tp_size):
