@@ -263,6 +263,34 @@ def test_delayed_recipe_scales_the_attention_casts_from_their_own_amax_histories
     assert names == [f"layers.1.self_attention.fp8_scaling.{role}" for role in ("query", "key", "value", "grad_output")]
 
 
+def test_a_saturating_attention_moves_to_high_precision_with_its_qkv_projection():
+    """The attention's casts report to its QKV projection's telemetry (attention_query, ...): when they saturate, the
+    saturation guard strikes that layer, moves it to high precision, and the attention goes with it. Here the
+    query's delayed scale is made 1000x too large, so only the attention's Q cast saturates."""
+    from megafp8.fp8 import SaturationGuard, enable_fp8_telemetry
+    from megafp8.fp8.scaling_state import Fp8ScalingManager
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      seq_length=16, vocab_size=100, make_vocab_size_divisible_by=8, fp8_dot_product_attention=True)
+    model = GPTModel(cfg, ParallelState().init_process_groups(), fp8_recipe=Fp8Recipe.delayed())
+    manager, guard = Fp8ScalingManager(model, None), SaturationGuard(patience=1)
+    enable_fp8_telemetry(model)
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(2))
+    attention = model.layers["1"].self_attention
+    for step in (1, 2):
+        model(ids[:, :-1], ids[:, 1:]).mean().backward()
+        if step == 1:
+            assert guard.check(model, step) == []  # healthy: nothing saturates
+            assert {"attention_query", "attention_key", "attention_value", "attention_grad_output"} <= set(
+                attention.linear_qkv.fp8_telemetry)
+            manager.update()
+            attention.fp8_scaling["query"].scale.mul_(1000)
+    messages = guard.check(model, 2)
+    assert len(messages) == 1 and "layers.1.self_attention.linear_qkv" in messages[0], messages
+    assert attention.linear_qkv.guard_high_precision and attention.fp8_blocks() is None
+    assert model.layers["0"].self_attention.fp8_blocks() is not None
+
+
 def test_selective_recompute_replays_the_same_fp8_attention():
     """--recompute-granularity selective recomputes the core attention in backward: the FP8 casts it replays are
     the forward's (current scales of the same tensors), so the gradients are bit-identical."""

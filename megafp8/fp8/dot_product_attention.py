@@ -11,12 +11,14 @@ Q's instead of high-precision copies. One context-parallel rank runs the same co
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.fp8.scaling_state import ScalingState
+from megafp8.fp8.telemetry import Fp8TensorStats
 from megafp8_kernels import Granularity, element_format, quantize, resolve_backend
 from megafp8_kernels.fp8_attention_reference import fp8_attention_backward, fp8_attention_forward
 
@@ -40,14 +42,18 @@ ROLES = ("query", "key", "value", "grad_output")  # the delayed-scaling states o
 
 
 def cast_per_tensor(t: torch.Tensor, dtype: torch.dtype, power_of_2_scale: bool,
-                    state: ScalingState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    state: ScalingState | None = None,
+                    stats: Callable[[Fp8TensorStats], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 data in t's shape, fp32 0-d scale_inv): one scale for the whole tensor, the delayed ``state``'s once it
-    is warm (the tensor's amax is then observed for the next update), else the current one from t's amax."""
+    is warm (the tensor's amax is then observed for the next update), else the current one from t's amax.
+    ``stats``: receives the cast's telemetry (saturated and flushed counts, counted by the cast itself)."""
     given = None if state is None or state.is_cold else state.scale
     q = quantize(t.reshape(-1, t.shape[-1]), dtype, Granularity.TENSORWISE, power_of_2_scale=power_of_2_scale,
-                 scale=given)
+                 scale=given, stats=stats is not None)
     if state is not None:
         state.observe(q.amax)
+    if stats is not None:
+        stats(Fp8TensorStats(q.amax, q.scale_inv, q.counts, t.numel()))
     return q.data.view(t.shape), q.scale_inv.reshape(())
 
 
@@ -66,16 +72,21 @@ class Fp8Blocks:
     """Ring attention's operands in FP8 (``HighPrecisionBlocks``' interface): queries ``(q8, q_inv)``, the K/V
     message ``uint8[K8 bytes, V8 bytes, k_inv, v_inv]``, output gradients ``(dO8, do_inv, delta)``. One instance
     per attention call (it remembers the K/V shape the messages carry). ``states``: the delayed-scaling states by
-    role (``ROLES``), or None for current scaling."""
+    role (``ROLES``), or None for current scaling. ``telemetry``: the dict the casts' statistics go to, under
+    ``attention_<role>`` (its QKV projection's ``fp8_telemetry``, so the saturation guard counts a saturating
+    attention against that layer and moves both to high precision), or None."""
 
-    def __init__(self, formats: Fp8AttentionFormats, states: dict[str, ScalingState] | None = None) -> None:
+    def __init__(self, formats: Fp8AttentionFormats, states: dict[str, ScalingState] | None = None,
+                 telemetry: dict | None = None) -> None:
         self.formats = formats
         self.states = states or {}
+        self.telemetry = telemetry
         self.kv_shape: torch.Size | None = None
 
     def _cast(self, t: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.formats.backward if role == "grad_output" else self.formats.forward
-        return cast_per_tensor(t, dtype, self.formats.power_of_2_scale, self.states.get(role))
+        stats = None if self.telemetry is None else lambda s: self.telemetry.__setitem__(f"attention_{role}", s)
+        return cast_per_tensor(t, dtype, self.formats.power_of_2_scale, self.states.get(role), stats)
 
     def queries(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self._cast(q, "query")

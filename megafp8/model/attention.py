@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megafp8.fp8.autocast import resolve_recipe
-from megafp8.fp8.dot_product_attention import ROLES, Fp8AttentionFormats, Fp8Blocks, fp8_dot_product_attention
+from megafp8.fp8.dot_product_attention import ROLES, Fp8AttentionFormats, Fp8Blocks
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.fp8.scaling_state import ScalingState
 from megafp8.fp8.prologue import RMSNormPrologue
@@ -113,7 +113,9 @@ class SelfAttention(nn.Module):
             return None
         states = getattr(self, "fp8_scaling", None)
         delayed = recipe.is_delayed and states is not None and states["query"].recipe == recipe
-        return Fp8Blocks(Fp8AttentionFormats.from_recipe(recipe), dict(states.items()) if delayed else None)
+        telemetry = self.linear_qkv.fp8_telemetry if self.linear_qkv.telemetry_enabled else None
+        return Fp8Blocks(Fp8AttentionFormats.from_recipe(recipe), dict(states.items()) if delayed else None,
+                         telemetry)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, rng: ModelParallelRNG | None = None) -> torch.Tensor:
@@ -129,11 +131,11 @@ class SelfAttention(nn.Module):
         ps = self.parallel_state
         dropout = self.attention_dropout if self.training else 0.0
         fp8 = self.fp8_blocks()
-        if fp8 is not None and ps.cp_size == 1:
-            out = fp8_dot_product_attention(q, k, v, fp8.formats, scale=self.softmax_scale, states=fp8.states)
-        elif ps.cp_size > 1:  # ring (or all-gather) attention over the CP ranks, merged by log-sum-exp
+        if ps.cp_size > 1 or fp8 is not None:  # ring (or all-gather) attention over the CP ranks, merged by
+            # log-sum-exp; FP8 attention at CP=1 is its single diagonal block
             if dropout:  # validate_model refuses the config; a hand-built layer would silently skip it
-                raise ValueError("--attention-dropout is not supported with --context-parallel-size > 1")
+                raise ValueError("--attention-dropout is not supported with --context-parallel-size > 1 or "
+                                 "--fp8-dot-product-attention")
             out = context_parallel_attention(q, k, v, group=ps.cp_group.group, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
                                              comm_type=ps.cp_comm_type, counters=ps.comm, enable_gqa=gqa,
                                              scale=self.softmax_scale, blocks=fp8)
