@@ -11,7 +11,8 @@ query head i reads K/V head i // (H / G); each FP8 operand comes with its fp32 `
             dP  = (dO8 · V8ᵀ) · (do_inv · v_inv)
             dS  = P ⊙ (dP - delta),   delta = rowsum(dO ⊙ O) (given, from the high-precision dO and O)
             dS8 = cast(dS · scale(amax of its tile)),  one scale per (batch, head, DS_TILE x DS_TILE tile)
-            dQ  = (dS8 · K8) · (ds_inv · k_inv · softmax_scale),  dK = (dS8ᵀ · Q8) · (ds_inv · q_inv · softmax_scale)
+            dQ  = (dS8 · K8) · (ds_inv · k_inv · softmax_scale)
+            dK  = (dS8ᵀ · Q8) · (ds_inv · q_inv · softmax_scale)
 
 P is normalised with the exact lse before its cast (two passes over the keys in a kernel: one for lse, one for
 P·V), so its bytes do not depend on how the keys are tiled. dS has no bound, so it is current-scaled per tile, as a
@@ -103,7 +104,8 @@ def fp8_attention_backward(do8, q8, k8, v8, do_inv, q_inv, k_inv, v_inv, lse, de
     factor = q_inv * k_inv * softmax_scale
     dq, dk, dv = torch.zeros_like(q5), torch.zeros_like(k5), torch.zeros_like(v5)
     for rows, keys, offset in query_tiles(q8.shape[2], causal, Q_TILE_ROWS):
-        p, p8 = _quantized_probabilities(masked_scores(q5[..., rows, :], k5[..., keys, :], factor, offset), lse5[..., rows])
+        scores = masked_scores(q5[..., rows, :], k5[..., keys, :], factor, offset)
+        p, p8 = _quantized_probabilities(scores, lse5[..., rows])
         dv[..., keys, :] += (torch.matmul(p8.transpose(-1, -2), do5[..., rows, :]) * (do_inv / P_SCALE)).sum(
             dim=2, keepdim=True)
         dp = torch.matmul(do5[..., rows, :], v5[..., keys, :].transpose(-1, -2)) * (do_inv * v_inv)

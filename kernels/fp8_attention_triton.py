@@ -115,8 +115,8 @@ def fp8_attention_forward_triton(q8, k8, v8, q_inv, k_inv, v_inv, causal: bool, 
 def _recompute_ds(q, do, k, v, lse, delta, rows, keys, sq, sk, factor, dp_factor,
                   CAUSAL: tl.constexpr, P_MAX: tl.constexpr, DS_DTYPE: tl.constexpr, DS_MAX: tl.constexpr,
                   DS_MBITS: tl.constexpr, DS_EMIN: tl.constexpr, POW2: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
-    """(P8, dS8, dS's scale_inv) of one query block x key block, exactly as the twin: P from the lse, dS = P (dP - delta)
-    with dP = dO8 · V8ᵀ, dS cast with the current scale of this tile."""
+    """(P8, dS8, dS's scale_inv) of one query block x key block, exactly as the twin: P from the lse,
+    dS = P (dP - delta) with dP = dO8 · V8ᵀ, dS cast with the current scale of this tile."""
     s = tl.dot(q, tl.trans(k)) * factor
     visible = (rows[:, None] < sq) & (keys[None, :] < sk)
     if CAUSAL:

@@ -218,12 +218,12 @@ def test_attention_runs_fp8_exactly_where_its_qkv_projection_does():
     plain = _model()
     plain.load_state_dict(model.state_dict())
     attention = [layer.self_attention for layer in model.layers.values()]
-    assert [a.fp8_formats() is not None for a in attention] == [False, True, False]  # --first-last-layers-bf16 1
-    assert attention[1].fp8_formats() == Fp8AttentionFormats(torch.float8_e4m3fn, torch.float8_e5m2, False)
+    assert [a.fp8_blocks() is not None for a in attention] == [False, True, False]  # --first-last-layers-bf16 1
+    assert attention[1].fp8_blocks().formats == Fp8AttentionFormats(torch.float8_e4m3fn, torch.float8_e5m2, False)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     assert not torch.equal(model(ids), plain(ids))
     attention[1].linear_qkv.guard_high_precision = True  # the guard moved the QKV projection: attention follows
-    assert attention[1].fp8_formats() is None
+    assert attention[1].fp8_blocks() is None
     plain.layers["1"].self_attention.linear_qkv.guard_high_precision = True
     assert torch.equal(model(ids), plain(ids))
 

@@ -3,8 +3,9 @@
 Q, K, V are cast once per forward to the recipe's forward format (E4M3), dO once per backward to its gradient
 format (E5M2 under hybrid), each with one scale per tensor: under a delayed recipe the attention's own
 ScalingStates' (amax histories updated with the linears' in the step's one amax reduction, checkpointed with them;
-current scaling while a state is cold), else a current one from the tensor's amax on the device (no host sync); P and dS are cast inside the blocks (``megafp8_kernels.fp8_attention_reference``: P with
-the fixed scale 448, dS per 64 x 64 tile). Under context parallelism the ring carries each rank's K/V as FP8
+current scaling while a state is cold), else a current one from the tensor's amax on the device (no host sync).
+P and dS are cast inside the blocks (``megafp8_kernels.fp8_attention_reference``: P with the fixed scale 448, dS
+per 64 x 64 tile). Under context parallelism the ring carries each rank's K/V as FP8
 bytes with their two scales appended (one message, about half the BF16 bytes), and backward keeps those bytes and
 Q's instead of high-precision copies. One context-parallel rank runs the same code as a single diagonal block.
 """
@@ -129,7 +130,8 @@ def fp8_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               states: dict[str, ScalingState] | None = None) -> torch.Tensor:
     """Causal FP8 attention of one rank's whole sequence (no context parallelism): q ``[b, H, s, d]``, k/v
     ``[b, G, s, d]`` (GQA when G < H) in, ``[b, H, s, d]`` in q's dtype out; differentiable. ``states``: delayed
-    scaling by role (``ROLES``), or None for current scaling."""
-    from megafp8.parallel.ring_attention import ring_attention
+    scaling by role (``ROLES``), or None for current scaling. The model's path with one CP rank."""
+    from megafp8.parallel.context_parallel import context_parallel_attention
 
-    return ring_attention(q, k, v, None, 0, 1, "p2p", None, scale, blocks=Fp8Blocks(formats, states))
+    return context_parallel_attention(q, k, v, group=None, cp_rank=0, cp_size=1, enable_gqa=q.shape[1] != k.shape[1],
+                                      scale=scale, blocks=Fp8Blocks(formats, states))

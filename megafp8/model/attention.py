@@ -19,9 +19,9 @@ from torch import nn
 
 from megafp8.fp8.autocast import resolve_recipe
 from megafp8.fp8.dot_product_attention import ROLES, Fp8AttentionFormats, Fp8Blocks
+from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.fp8.recipe import Fp8Recipe
 from megafp8.fp8.scaling_state import ScalingState
-from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import mask_generator
 from megafp8.model.norm import RMSNorm
@@ -102,17 +102,13 @@ class SelfAttention(nn.Module):
         recipe = resolve_recipe(self.linear_qkv.recipe, self.linear_qkv.runs_high_precision)
         return recipe if recipe is not None and recipe.element_bits == 8 else None
 
-    def fp8_formats(self) -> Fp8AttentionFormats | None:
-        recipe = self.fp8_recipe()
-        return None if recipe is None else Fp8AttentionFormats.from_recipe(recipe)
-
     def fp8_blocks(self) -> Fp8Blocks | None:
         """This call's FP8 operands (None: high precision), with the delayed states when the recipe is theirs."""
         recipe = self.fp8_recipe()
         if recipe is None:
             return None
-        states = getattr(self, "fp8_scaling", None)
-        delayed = recipe.is_delayed and states is not None and states["query"].recipe == recipe
+        states = getattr(self, "fp8_scaling", None)  # built for a delayed recipe: used while that one runs
+        delayed = states is not None and states["query"].recipe == recipe
         telemetry = self.linear_qkv.fp8_telemetry if self.linear_qkv.telemetry_enabled else None
         return Fp8Blocks(Fp8AttentionFormats.from_recipe(recipe), dict(states.items()) if delayed else None,
                          telemetry)

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from megafp8.fp8.autocast import resolve_recipe
+from megafp8.fp8.kurtosis import add_moments_slot
 from megafp8.fp8.linear import Fp8GemmModule
 from megafp8.fp8.scaling_state import ScalingState
-from megafp8.fp8.kurtosis import add_moments_slot
 from megafp8.fp8.telemetry import add_fp8_telemetry_slots
 
 CUDA_GRAPH_SCOPES = ("full", "attn")  # Megatron's --cuda-graph-scope names: the whole layer, or its attention

@@ -169,9 +169,11 @@ class GPTModel(nn.Module):
         if fp8_recipe is not None:
             recipes = layer_recipes(config.num_layers, fp8_recipe, first_last_layers_bf16)
             apply_precision_map(list(self.layers.values()), [recipes[int(i)] for i in self.layers])
-            for i, layer in self.layers.items():  # --fp8-dot-product-attention under a delayed recipe
-                if config.fp8_dot_product_attention and recipes[int(i)] is not None and recipes[int(i)].is_delayed:
-                    layer.self_attention.add_fp8_scaling(recipes[int(i)])
+            if config.fp8_dot_product_attention:  # the attention's own delayed-scaling states
+                for i, layer in self.layers.items():
+                    recipe = recipes[int(i)]
+                    if recipe is not None and recipe.is_delayed:
+                        layer.self_attention.add_fp8_scaling(recipe)
         # Layout-invariant init: each parameter from the generator of (seed, global name), full tensor then
         # this rank's shard. The last stage's copy of a tied embedding is drawn as embedding.weight, so
         # both stages start identical without communication.

@@ -14,7 +14,8 @@ K/V of rank ``j`` seen by the queries of rank ``r`` there are three cases:
 So every block but the diagonal is half the work of a full block and unmasked; the masked halves are never
 computed. Each block runs through SDPA's fused flash kernel in the input dtype (``attention_blocks.attend``: its
 output and log-sum-exp ``lse_i``, fp32), or with ``Fp8Blocks`` (--fp8-dot-product-attention) through the FP8
-twin on FP8 Q and K/V bytes (the ring then carries those bytes and their scales), and the blocks are merged in fp32 (fp64 for fp64 inputs) as
+kernels on FP8 Q and K/V bytes (the ring then carries those bytes and their scales), and the blocks are merged in
+fp32 (fp64 for fp64 inputs) as
 ``out = sum_i exp(lse_i - lse) out_i``. Backward hands each block the merged output and ``lse``
 (``attention_blocks.attend_backward``: FlashAttention's renormalization), so nothing of size ``s x s`` is kept
 across blocks: saved are q, k, v, the output and ``lse`` (``[b, heads, s_local]``, fp32).

@@ -47,7 +47,8 @@ def apply_compile(args: argparse.Namespace, chunks) -> int:
     modules were compiled. fullgraph where the FP8 linear op traces (TP = CP = 1, no zero-bubble schedule): a graph
     break is then a bug. Otherwise the op runs eagerly between graphs: its collectives, or under a zero-bubble
     schedule the host-side queue of deferred weight gradients it feeds (megafp8.fp8.deferred_wgrad). FP8 attention
-    (--fp8-dot-product-attention) always runs eagerly between graphs (its twin's Python tiling is not traced)."""
+    (--fp8-dot-product-attention) always runs eagerly between graphs: it goes through ring attention, which is
+    torch.compiler.disable'd (a graph break at any CP size)."""
     if not (args.compile or args.enable_cuda_graph):
         return 0
     collectives = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
