@@ -85,7 +85,18 @@ def _quantize_op(x: torch.Tensor, fp8_dtype: torch.dtype, granularity_: str, pow
     # Outputs the call did not ask for are empty tensors (a custom op returns tensors, not None).
     data_t, scale_inv_t = (q.data_t, q.scale_inv_t) if transpose else _no_transposed_copy(x, fp8_dtype)
     counts = q.counts if stats else x.new_empty(0, dtype=torch.int64)
-    return q.data, q.scale_inv, q.amax, data_t, scale_inv_t, counts
+    return unaliased_outputs((q.data, q.scale_inv, q.amax, data_t, scale_inv_t, counts))
+
+
+def unaliased_outputs(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A custom op's outputs may not share storage: a one-row x's transposed copy (``[K, 1]`` from ``[1, K]``, already
+    contiguous) is a view of its data (an MoE expert that got one token)."""
+    seen, result = set(), []
+    for t in outputs:
+        pointer = t.untyped_storage().data_ptr() if t.numel() else None
+        result.append(t.clone() if pointer in seen else t)
+        seen.add(pointer)
+    return tuple(result)
 
 
 def _no_transposed_copy(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

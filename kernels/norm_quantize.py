@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import resolve_backend
+from .dispatch import resolve_backend, unaliased_outputs
 from .norm_quantize_reference import rmsnorm_quantize_reference, swiglu_quantize_reference
 from .scaling import Fp8Quantized, Granularity, check_quantize_args, empty_scales, granularity
 
@@ -21,8 +21,8 @@ _Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 def _outputs(q: Fp8Quantized, like: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, stats: bool) -> _Outputs:
     # A custom op returns tensors, not None: outputs the call did not ask for are empty.
     counts = q.counts if stats else like.new_empty(0, dtype=torch.int64)
-    if transpose:
-        return q.data, q.scale_inv, q.amax, q.data_t, q.scale_inv_t, counts
+    if transpose:  # a one-row input's transposed copy is a view of its data: unaliased
+        return unaliased_outputs((q.data, q.scale_inv, q.amax, q.data_t, q.scale_inv_t, counts))
     return (q.data, q.scale_inv, q.amax, like.new_empty(0, dtype=fp8_dtype), like.new_empty(0, dtype=torch.float32),
             counts)
 

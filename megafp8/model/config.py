@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megafp8.model.moe_options import moe_errors, moe_layer_pattern
 from megafp8.model.recompute import recompute_errors
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.sharding import pad_vocab_size
@@ -87,6 +88,23 @@ class ModelConfig:
     # --fp8-dot-product-attention: Q·Kᵀ, P·V and their backward GEMMs in FP8 (megafp8/fp8/dot_product_attention.py)
     # in every layer whose QKV projection runs an 8-bit recipe at the time; the others keep SDPA.
     fp8_dot_product_attention: bool = False
+    # Mixture of experts (megafp8/model/moe.py, docs/parallelism.md "Mixture of experts"; Megatron-LM's flags, checked
+    # by megafp8.model.moe_options): None keeps every MLP dense.
+    num_experts: int | None = None
+    moe_layer_freq: int | str = 1
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -116,6 +134,9 @@ class ModelConfig:
         for flag, p in (("--attention-dropout", self.attention_dropout), ("--hidden-dropout", self.hidden_dropout)):
             if not 0.0 <= p < 1.0:  # also a NaN
                 raise ValueError(f"{flag} must be in [0, 1), got {p}")
+        errors = moe_errors(self)
+        if errors:
+            raise ValueError("; ".join(errors))
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                              f"({self.max_position_embeddings})")
@@ -126,6 +147,10 @@ class ModelConfig:
         if self.kv_channels is not None:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` has a MoE block instead of the dense MLP."""
+        return self.num_experts is not None and moe_layer_pattern(self.num_layers, self.moe_layer_freq)[layer_number]
 
     @property
     def rope_scaling(self) -> Llama3RopeScaling | None:

@@ -34,6 +34,7 @@ from megafp8.model.attention import SelfAttention
 from megafp8.model.config import ModelConfig
 from megafp8.model.dropout import hidden_dropout_add
 from megafp8.model.mlp import MLP
+from megafp8.model.moe import MoELayer
 from megafp8.model.norm import RMSNorm
 from megafp8.model.recompute import recompute, recomputed_layer_groups
 from megafp8.model.rotary import RotaryEmbedding
@@ -48,7 +49,7 @@ from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 class TransformerLayer(nn.Module):
     """Pre-norm decoder block; residual adds happen on the (sequence-sharded under SP) layer input."""
 
-    def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState, layer_number: int = 0) -> None:
         super().__init__()
         sp = parallel_state.sequence_parallel
 
@@ -59,7 +60,9 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = norm() if config.pre_norm else None
         self.self_attention = SelfAttention(config, parallel_state)
         self.pre_mlp_layernorm = norm() if config.pre_norm else None
-        self.mlp = MLP(config, parallel_state)
+        # --num-experts: a mixture of experts in the layers --moe-layer-freq names (megafp8.model.moe)
+        self.is_moe = config.is_moe_layer(layer_number)
+        self.mlp = MoELayer(config, parallel_state) if self.is_moe else MLP(config, parallel_state)
         # --post-norm: each sublayer's output normalized before the residual add (FOG), starting small
         self.attention_output_layernorm = self.mlp_output_layernorm = None
         if config.post_norm:  # FOG's gains start at 1/sqrt(L); under --residual-tau the residual weights do that
@@ -82,6 +85,8 @@ class TransformerLayer(nn.Module):
             # The norms are still called (as_prologue): their forward hooks, e.g. the overlapped param gather, run.
             out = self.self_attention(x, rotary, input_norm=_prologue(self.input_layernorm, x), rng=rng)
             x = self._dropout_add(out, x, rng, self.attention_output_layernorm)
+            if self.is_moe:  # the router reads the normed tokens: no prologue to fuse into
+                return self._dropout_add(self.mlp(_normed(self.pre_mlp_layernorm, x)), x, rng, self.mlp_output_layernorm)
             return self._dropout_add(self.mlp(x, input_norm=_prologue(self.pre_mlp_layernorm, x), fuse_activation=True),
                                      x, rng, self.mlp_output_layernorm)
         x = self._dropout_add(self.self_attention(_normed(self.input_layernorm, x), rotary, rng=rng), x, rng,
@@ -146,7 +151,7 @@ class GPTModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                       scaling=config.rope_scaling, positions=config.seq_length)
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state) for i in layer_numbers})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel_state, i) for i in layer_numbers})
         if post_process:
             self.final_layernorm = RMSNorm(config.hidden_size, config.norm_eps, parallel_state.sequence_parallel,
                                            config.params_dtype, zero_centered_gamma=config.layernorm_zero_centered_gamma)

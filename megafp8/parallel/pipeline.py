@@ -48,6 +48,7 @@ from torch.distributed.pipelining import (
 from megafp8.fp8 import Fp8GemmModule, Fp8Recipe, Fp8ScalingManager, precision_plans
 from megafp8.fp8.deferred_wgrad import WgradDeferral
 from megafp8.model import GPTModel, ModelConfig
+from megafp8.model.moe import set_aux_loss_scale
 from megafp8.parallel import collectives as C
 from megafp8.parallel.cross_entropy import loss_normalizer, vocab_parallel_cross_entropy
 from megafp8.parallel.fp8_sequence_parallel import fp8_scaling_manager
@@ -317,6 +318,9 @@ class Pipeline:
         self._step_tokens = loss_normalizer(mask, self._loss_token_group())  # the CP (or DP x CP) ranks' tokens too
         if self.loss_scale is not None:  # each micro-batch's loss x scale; exact for a power of two (dynamic scales)
             self._step_tokens = self._step_tokens / self.loss_scale
+        # MoE aux losses: each micro-batch's share of the step (megafp8.model.moe.set_aux_loss_scale)
+        set_aux_loss_scale(self.chunks, self.parallel_state.cp_size / self.num_microbatches
+                           * (self.loss_scale if self.loss_scale is not None else 1.0))
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         loss = self._run_plain(input_ids, labels, mask) if self.schedule is None else \
             self._run_schedule(input_ids, labels, mask)

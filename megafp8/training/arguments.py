@@ -24,6 +24,7 @@ from megafp8.optim.loss_scaler import loss_scale_errors
 from megafp8.training.block_flags import add_block_flags, block_errors
 from megafp8.training.microscaling_flags import (add_microscaling_flags, fill_microscaling_defaults,
                                                  microscaling_errors)
+from megafp8.training.moe_flags import add_moe_flags, moe_flag_errors
 from megafp8.training.profiling import profile_errors
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "activation; --ffn-hidden-size defaults to 4h)")
     add_block_flags(g)
     megatron_flags.add_model_flags(g)
+    add_moe_flags(p.add_argument_group("mixture of experts"))
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -327,7 +329,8 @@ def parse_and_check(argv: Sequence[str] | None = None, world_size: int = 1) -> t
     args = build_parser().parse_args(argv)
     warnings = _fill_defaults(args, world_size)
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    return args, argument_errors(args, world_size) + block_errors(args, given) + microscaling_errors(args, given), \
+    return args, argument_errors(args, world_size) + block_errors(args, given) + microscaling_errors(args, given) \
+        + moe_flag_errors(args), \
         warnings
 
 

@@ -6,6 +6,7 @@ import argparse
 import torch
 
 from megafp8.model import ModelConfig
+from megafp8.model.moe_options import MOE_FLAG_DEFAULTS
 from megafp8.parallel.parallel_state import ParallelState
 
 
@@ -29,6 +30,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         freeze_qk_layernorm=args.freeze_qk_layernorm, pre_norm=args.pre_norm, post_norm=args.post_norm,
         softmax_scale=args.softmax_scale, embedding_scale=args.embedding_scale, unit_scaling=args.unit_scaling,
         residual_tau=args.residual_tau, fp8_dot_product_attention=args.fp8_dot_product_attention,
+        **{name: getattr(args, name) for name in MOE_FLAG_DEFAULTS}, num_experts=args.num_experts,
         # On CPU a bf16 (or fp16) matmul is ~50x slower than fp32 (DESIGN.md): --bf16 / --fp16 are honoured on GPU
         # only.
         params_dtype=_params_dtype(args))

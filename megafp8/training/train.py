@@ -40,6 +40,7 @@ from megafp8.fp8.forced_overflow import ForcedOverflow
 from megafp8.fp8.kurtosis import KurtosisWarning, collect_kurtosis, enable_kurtosis
 from megafp8.fp8.rounding_keys import begin_rounding_iteration
 from megafp8.fp8.telemetry import collect_block_scale_histograms
+from megafp8.model.moe_stats import collect_moe_stats, has_moe, update_expert_biases
 from megafp8.training.microscaling_flags import precision_schedule_from_args
 from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
@@ -193,6 +194,7 @@ class Trainer:
                                          kv_channels=args.kv_channels, gated_mlp=args.activation != "xielu")
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         self.profiler = IterationProfiler(args, ps.rank)
+        self.has_moe = has_moe(pipeline.chunks)
 
     # ---- one iteration ----------------------------------------------------------------------
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +269,8 @@ class Trainer:
         # Through step(), which applies those pending stats: the one entry that wrappers of the update (tools,
         # tests recording the learning rates) see, whether the trainer runs in phases or not.
         result = self.optimizer.step(self.schedule(consumed), decoupled_lr=decoupled_lr)
+        if self.has_moe:  # DeepSeek-V3's expert biases follow the step's loads (unless the step was skipped)
+            update_expert_biases(self.pipeline.chunks, self.ps.amax_group, ~result.skipped_flag)
         if self.args.empty_unused_memory_level >= 2:
             torch.cuda.empty_cache()
         if self.guard is not None:
@@ -328,9 +332,11 @@ class Trainer:
                     scale = [self.loss_scaler.scale] if self.loss_scaler is not None else []
                     loss, grad_norm, *scale = self._read_counters(loss, grad_norm, *scale)
                     elapsed = (time.perf_counter() - window_start) / window_iters
+                    moe = (collect_moe_stats(self.pipeline.chunks, self.ps.amax_group, self.ps.pp_group, self.ps.dp_size)
+                           if self.has_moe else {})
                     self._log(loss, lr, grad_norm, elapsed, self._collect_telemetry() if telemetry else None,
                               collect_block_scale_histograms(self.ddp.module) if telemetry else None,
-                              loss_scale=scale[0] if scale else None)
+                              loss_scale=scale[0] if scale else None, moe=moe)
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
@@ -408,7 +414,7 @@ class Trainer:
         return _on_any_rank(stop.requested or out_of_time)
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry,
-             histograms=None, loss_scale: float | None = None) -> None:
+             histograms=None, loss_scale: float | None = None, moe: dict | None = None) -> None:
         tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
         record = IterationRecord(
             iteration=self.progress.iteration, train_iters=self.train_iters,
@@ -421,7 +427,7 @@ class Trainer:
             model_state_bytes_per_param=self.optimizer.model_state_bytes_per_param(),
             mfu_bf16=tflops / self.peak[0] if self.peak else None, mfu_fp8=tflops / self.peak[1] if self.peak else None,
             elapsed_s=time.monotonic() - self.start_time,
-            eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration))
+            eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration), **(moe or {}))
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
             self.log.log_iteration(record, telemetry, histograms)

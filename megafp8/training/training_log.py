@@ -55,6 +55,11 @@ class IterationRecord:
     mfu_bf16: float | None = None
     mfu_fp8: float | None = None
     loss_scale: float | None = None  # --fp16 only (Megatron prints it between the loss and the grad norm)
+    # --num-experts only: the routers' coefficient-free balancing and z losses (means over the MoE layers, the window's
+    # micro-batches and the replicas) and each layer's tokens per expert over the window (megafp8.model.moe_stats)
+    moe_aux_loss: float | None = None
+    moe_z_loss: float | None = None
+    moe_tokens_per_expert: dict[str, list[int]] | None = None
     # Console only (not metrics.jsonl): wall time since this process started training, and the time the
     # remaining iterations take at this record's rate.
     elapsed_s: float | None = None
@@ -71,6 +76,8 @@ class IterationRecord:
             f"learning rate: {self.lr:.6E}",
             f"lm loss: {self.lm_loss:.6E}",
             *([f"loss scale: {self.loss_scale:.1f}"] if self.loss_scale is not None else []),
+            *([f"moe aux loss: {self.moe_aux_loss:.6E}", f"moe z loss: {self.moe_z_loss:.6E}"]
+              if self.moe_aux_loss is not None else []),
             f"grad norm: {self.grad_norm:.3f}",
             f"number of skipped iterations: {self.skipped_iterations:3d}",
             f"number of nan iterations: {self.nan_iterations:3d}",
@@ -88,6 +95,8 @@ class IterationRecord:
         del record["elapsed_s"], record["eta_s"]
         if self.loss_scale is None:  # the key is --fp16's
             del record["loss_scale"]
+        if self.moe_aux_loss is None:  # the keys are --num-experts'
+            del record["moe_aux_loss"], record["moe_z_loss"], record["moe_tokens_per_expert"]
         record["comm_bytes"] = {kind: int(self.comm_bytes.get(kind, 0)) for kind in COMM_KINDS}
         return {k: _finite_or_none(v) for k, v in record.items()}
 
@@ -156,7 +165,8 @@ class TrainingLog:
                     for key, value in (fp8_telemetry or {}).items() if key.endswith("/input/kurtosis")}
         self._append({**record.json_record(), **({"input_kurtosis": kurtosis} if kurtosis else {})})
         scalars = {f"train/{name}": getattr(record, name) for name in (
-            "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "model_state_bytes_per_param")}
+            "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "model_state_bytes_per_param",
+            *(("moe_aux_loss", "moe_z_loss") if record.moe_aux_loss is not None else ()))}
         # A skipped step's NaN loss or grad norm would break the curves' scale: those points are left out.
         scalars = {tag: value for tag, value in scalars.items() if math.isfinite(value)}
         self._scalars({**scalars, **(fp8_telemetry or {})}, record.iteration)

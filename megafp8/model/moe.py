@@ -1,0 +1,177 @@
+"""The mixture-of-experts block (Megatron-Core's MoELayer): a top-k router, the routed experts, optional shared experts.
+
+Data flow on this rank's tokens ``x [s_local, b, h]`` (``s/TP`` under sequence parallelism, this rank's chunks under
+context parallelism: routing is per token, so nothing is gathered)::
+
+    router (fp32)            -> each token's k experts and their weights (megafp8.model.router)
+    dispatch                 -> the k T (token, expert) choices sorted by expert, token order kept within an expert;
+                                with --moe-expert-capacity-factor each expert keeps its best `capacity` choices
+                                (--moe-token-drop-policy probs: the highest weights; position: the earliest tokens)
+    experts                  -> expert e's SwiGLU MLP on its rows, a loop of GEMMs (each an FP8 linear under the
+                                run's recipe, like the dense MLP's)
+    combine                  -> each row times its weight, the k rows of a token summed in fp32 in a fixed order
+    + shared experts         -> a dense MLP of --moe-shared-expert-intermediate-size on every token
+
+Experts are whole on every rank (expert parallelism is the next step; the mesh's expert view already exists):
+their weights, like the router's, are copies on each TP rank whose gradients are summed over TP under sequence
+parallelism (each TP rank routed different tokens) and averaged over DP x CP like every dense weight. Parameter names
+are Megatron-Core's (``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1.weight``,
+``mlp.shared_experts.linear_fc1.weight``), with the global expert index e.
+
+The load-balancing and z losses enter the gradient without a loss term in the pipeline: their gradient is attached
+to the block's output (Megatron-Core's MoEAuxLossAutoScaler) with the micro-batch's share of the step, which the
+pipeline sets (``set_aux_loss_scale``). The router's statistics (losses, tokens per expert) accumulate on the device
+for the log and for the expert-bias update (megafp8.model.moe_stats).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from megafp8.model.config import ModelConfig
+from megafp8.model.mlp import MLP
+from megafp8.model.router import TopKRouter
+from megafp8.parallel.parallel_state import ParallelState
+
+class MoELayer(nn.Module):
+    """``[s_local, b, h]`` -> same; a drop-in for the dense MLP of a transformer block."""
+
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
+        super().__init__()
+        if parallel_state.tp_size > 1 and not parallel_state.sequence_parallel:
+            raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's rule: "
+                             "each TP rank routes its own slice of the sequence)")
+        self.num_experts, self.topk = config.num_experts, config.moe_router_topk
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.drop_policy = config.moe_token_drop_policy
+        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        self.router = TopKRouter(config, parallel_state)
+        # Expert weights are whole on each rank: their linears are built on a one-rank layout (no split, no collective).
+        one_rank = ParallelState().init_process_groups()
+        expert_config = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size)
+        self.experts = nn.Module()
+        self.experts.local_experts = nn.ModuleList(MLP(expert_config, one_rank) for _ in range(config.num_experts))
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            self.shared_experts = MLP(shared, parallel_state)  # tensor-parallel, like the dense MLP
+        for param in self.experts.parameters():
+            param.tensor_model_parallel = False  # whole on every TP rank (initialised as one tensor)
+            param.sequence_parallel = parallel_state.sequence_parallel  # each TP rank's grads are partial sums
+        self.aux_loss_scale: float | torch.Tensor = 1.0  # this micro-batch's share of the step: set_aux_loss_scale
+        self.stats: dict[str, torch.Tensor] | None = None  # accumulated router statistics (megafp8.model.moe_stats)
+        if self.router.enable_expert_bias:  # the step's loads, for the bias update (not checkpointed: reset each step)
+            self.register_buffer("step_tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Megatron's expert capacity, ``ceil(T k / E * factor)``; None without a capacity factor (dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq, batch, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        top_experts, top_probs, losses = self.router(tokens, batch)
+        self._accumulate(losses)
+        capacity = self.capacity(tokens.shape[0])
+        order, counts = dispatch_order(top_experts, top_probs, self.num_experts, capacity, self.drop_policy)
+        rows = tokens[order // self.topk]  # [kept choices, h], sorted by expert
+        outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
+        weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
+        combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
+        out = combined.view(-1, self.topk, hidden).sum(1).to(x.dtype).view(seq, batch, hidden)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, fuse_activation=True)
+        if losses["loss"] is not None and torch.is_grad_enabled():
+            out = _AttachAuxLoss.apply(out, losses["loss"], self.aux_loss_scale)
+        return out
+
+    def _run_experts(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
+                     capacity: int | None) -> torch.Tensor:
+        """Each expert on its rows (a loop of GEMMs). The loop needs each expert's row count on the host: one read per
+        layer and micro-batch, as Megatron's dropless dispatch. Padded to capacity (--moe-pad-expert-input-to-capacity)
+        the rows are placed in an ``[E x capacity, h]`` grid on the device instead: static sizes, nothing read. An
+        expert without rows runs on one zero row: every expert's weights get their (zero) gradient every step."""
+        hidden = rows.shape[-1]
+        slots = None
+        if self.pad_to_capacity:
+            within = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_experts]
+            slots = row_experts * capacity + within
+            rows = rows.new_zeros(self.num_experts * capacity, hidden).index_copy_(0, slots, rows)
+            sizes = [capacity] * self.num_experts
+        else:
+            sizes = counts.tolist()
+        outputs = []
+        for expert, chunk in zip(self.experts.local_experts, rows.split(sizes)):
+            n = chunk.shape[0]
+            run = chunk if n else chunk.new_zeros(1, hidden)
+            outputs.append(expert(run.unsqueeze(1), fuse_activation=True).squeeze(1)[:n])
+        outputs = torch.cat(outputs)
+        return outputs if slots is None else outputs[slots]
+
+    def _accumulate(self, losses: dict[str, torch.Tensor]) -> None:
+        """Add this forward's router statistics to ``stats`` (a forward recomputed in backward adds nothing)."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        values = {"aux_metric": losses["aux_metric"], "z_metric": losses["z_metric"], "forwards": 1.0,
+                  "tokens_per_expert": losses["tokens_per_expert"]}
+        if self.stats is None:
+            self.stats = {name: torch.zeros_like(losses["tokens_per_expert"]) if name == "tokens_per_expert"
+                          else torch.zeros((), device=losses["z_metric"].device) for name in values}
+        for name, value in values.items():
+            self.stats[name] += value
+        if self.router.enable_expert_bias:
+            self.step_tokens_per_expert += losses["tokens_per_expert"]
+
+
+def dispatch_order(top_experts: torch.Tensor, top_probs: torch.Tensor, num_experts: int, capacity: int | None,
+                   drop_policy: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept (token, expert) choices as indices ``t * k + j`` into the flattened ``[T, k]`` choices, sorted by
+    expert and, within an expert, by token; and each expert's count of them. With a ``capacity`` an expert keeps its
+    ``capacity`` choices of highest weight (``probs``) or earliest token (``position``), Megatron's drop policies."""
+    experts = top_experts.reshape(-1)
+    keep = torch.ones_like(experts, dtype=torch.bool)
+    if capacity is not None:
+        # Rank every choice within its expert by priority; the first `capacity` of each expert stay.
+        priority = (torch.argsort(-top_probs.reshape(-1), stable=True) if drop_policy == "probs"
+                    else torch.arange(experts.numel(), device=experts.device))
+        by_expert = priority[torch.argsort(experts[priority], stable=True)]
+        counts = torch.bincount(experts, minlength=num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(experts.numel(), device=experts.device) - starts[experts[by_expert]]
+        keep = torch.zeros_like(keep).index_fill_(0, by_expert[rank < capacity], True)
+    order = torch.argsort(experts, stable=True)
+    order = order[keep[order]]
+    return order, torch.bincount(experts[order], minlength=num_experts)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the block's output; in backward the aux loss gets ``scale`` as its gradient (Megatron-Core's
+    MoEAuxLossAutoScaler): the loss joins the step's objective without travelling to the pipeline's last stage."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * ctx.scale, None
+
+
+def moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(modules, scale: float | torch.Tensor) -> None:
+    """The gradient each micro-batch's aux losses get: its share of the step (1 / micro-batches, x CP because the
+    DP x CP gradient average divides the CP ranks' partial losses by CP, x the --fp16 loss scale)."""
+    for module in modules:
+        for _, layer in moe_layers(module):
+            layer.aux_loss_scale = scale

@@ -1,0 +1,64 @@
+"""The mixture-of-experts flags (Megatron-LM's names) and the checks that need the rest of the run's flags."""
+from __future__ import annotations
+
+import argparse
+
+from megafp8.model.moe_options import (LOAD_BALANCING_TYPES, MOE_FLAG_DEFAULTS, SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+                                       moe_errors, parse_moe_layer_freq)
+
+
+def add_moe_flags(g: argparse._ArgumentGroup) -> None:
+    d = MOE_FLAG_DEFAULTS
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="routed experts per MoE layer (default: a dense model); docs/parallelism.md 'Mixture of experts'")
+    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=d["moe_layer_freq"],
+                   help="which layers are MoE: every N-th (layer i when i %% N == 0; 1 = all) or one 0/1 per layer, "
+                        "comma-separated")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's SwiGLU inner width (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=d["moe_router_topk"], help="experts per token (k)")
+    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default=d["moe_router_score_function"],
+                   help="softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: the chosen k normalised to sum to 1)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (default: over the k chosen logits)")
+    g.add_argument("--moe-router-dtype", choices=("fp32",), default="fp32",
+                   help="the router's scores are computed in fp32 (the only choice, as Megatron recommends)")
+    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES,
+                   default=d["moe_router_load_balancing_type"],
+                   help="aux_loss (Switch: over the micro-batch), seq_aux_loss (DeepSeek-V3: per sequence) or none; "
+                        "weighted by --moe-aux-loss-coeff")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=d["moe_aux_loss_coeff"],
+                   help="weight of the load-balancing loss (0: logged, not trained on)")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="weight of the router z loss, mean logsumexp(logits)^2 (ST-MoE; default none)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="DeepSeek-V3's aux-loss-free balancing: a per-expert bias added to the sigmoid scores for "
+                        "the choice, moved once per step towards the mean load")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=d["moe_router_bias_update_rate"],
+                   help="with --moe-router-enable-expert-bias: bias += rate x sign(mean load - load) per step")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert (a dense SwiGLU MLP of this width, tensor-parallel) on every token")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="each expert takes at most ceil(tokens x k / experts x this) tokens per micro-batch, the "
+                        "rest dropped (default: dropless)")
+    g.add_argument("--moe-token-drop-policy", choices=TOKEN_DROP_POLICIES, default=d["moe_token_drop_policy"],
+                   help="with a capacity: an expert keeps its highest-weight tokens (probs) or its earliest (position)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="pad every expert's input to its capacity: static shapes, no host read of the loads")
+
+
+def moe_flag_errors(args: argparse.Namespace) -> list[str]:
+    """The MoE options' own problems and what MoE does not compose with yet, one line each."""
+    errors = moe_errors(args)
+    if args.num_experts is None:
+        return errors
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        errors.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
+                      "rule: each TP rank routes its own slice of the sequence)")
+    for flag, on, why in (
+            ("--compile", args.compile, "the router's data-dependent dispatch breaks the layer graphs"),
+            ("--enable-cuda-graph", args.enable_cuda_graph, "expert loads change every step (shapes are dynamic)"),
+            ("--unit-scaling", args.unit_scaling, "the router and experts are not unit-scaled yet")):
+        if on:
+            errors.append(f"--num-experts with {flag}: not supported yet ({why})")
+    return errors
