@@ -17,7 +17,9 @@ from megafp8.checkpoint.errors import CheckpointError
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "vocab_size", "untie_embeddings_and_output_weights",
               # zero-centred norm gains are stored as w, plain ones as 1 + w: the same bytes mean another model
-              "layernorm_zero_centered_gamma", "qk_layernorm", "pre_norm", "post_norm")
+              "layernorm_zero_centered_gamma", "qk_layernorm", "pre_norm", "post_norm",
+              "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_router_enable_expert_bias")
 MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_base", "use_rope_scaling",
              "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
              "rope_scaling_original_max_position_embeddings", "activation",
@@ -26,6 +28,9 @@ MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_ba
              "fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
              "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp4_param_gather",
              "fp8_static_grad_scale", "fp8_dot_product_attention",
+             "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_load_balancing_type",
+             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+             "moe_token_drop_policy",
              "global_batch_size", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_samples",
              "lr_decay_iters", "lr_decay_samples", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
              "clip_grad", "master_weight_dtype", "optimizer_state_dtype", "seed", "data_path", "split",

@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 
+from megafp8.fp8.autocast import resolve_recipe
 from megafp8.model.config import ModelConfig
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
@@ -94,24 +95,34 @@ class MoELayer(nn.Module):
                      capacity: int | None) -> torch.Tensor:
         """Each expert on its rows (a loop of GEMMs). The loop needs each expert's row count on the host: one read per
         layer and micro-batch, as Megatron's dropless dispatch. Padded to capacity (--moe-pad-expert-input-to-capacity)
-        the rows are placed in an ``[E x capacity, h]`` grid on the device instead: static sizes, nothing read. An
-        expert without rows runs on one zero row: every expert's weights get their (zero) gradient every step."""
-        hidden = rows.shape[-1]
+        the rows are placed in an ``[E x capacity, h]`` grid on the device instead: static sizes, nothing read.
+
+        Zero rows pad each expert's input: to a multiple of 16 while the experts run in FP8 or FP4 (the wgrad GEMM's
+        K is the token count: cuBLAS FP8 GEMMs need it divisible by 16, NVFP4's Hadamard transform runs in blocks of
+        16; Megatron pads the same), and to at least one row, so every expert's weights get their (zero) gradient
+        every step. Zero rows change no output, and add exact zeros to the weight gradients."""
+        align = 16 if self._experts_run_low_precision() else 1
         slots = None
         if self.pad_to_capacity:
+            size = _round_up(capacity, align)
             within = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_experts]
-            slots = row_experts * capacity + within
-            rows = rows.new_zeros(self.num_experts * capacity, hidden).index_copy_(0, slots, rows)
-            sizes = [capacity] * self.num_experts
+            slots = row_experts * size + within
+            rows = rows.new_zeros(self.num_experts * size, rows.shape[-1]).index_copy_(0, slots, rows)
+            sizes = [size] * self.num_experts
         else:
             sizes = counts.tolist()
         outputs = []
         for expert, chunk in zip(self.experts.local_experts, rows.split(sizes)):
             n = chunk.shape[0]
-            run = chunk if n else chunk.new_zeros(1, hidden)
+            padded = _round_up(max(n, 1), align)
+            run = chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])])
             outputs.append(expert(run.unsqueeze(1), fuse_activation=True).squeeze(1)[:n])
         outputs = torch.cat(outputs)
         return outputs if slots is None else outputs[slots]
+
+    def _experts_run_low_precision(self) -> bool:
+        fc1 = self.experts.local_experts[0].linear_fc1
+        return resolve_recipe(fc1.recipe, fc1.runs_high_precision) is not None
 
     def _accumulate(self, losses: dict[str, torch.Tensor]) -> None:
         """Add this forward's router statistics to ``stats`` (a forward recomputed in backward adds nothing)."""
@@ -126,6 +137,10 @@ class MoELayer(nn.Module):
             self.stats[name] += value
         if self.router.enable_expert_bias:
             self.step_tokens_per_expert += losses["tokens_per_expert"]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def dispatch_order(top_experts: torch.Tensor, top_probs: torch.Tensor, num_experts: int, capacity: int | None,

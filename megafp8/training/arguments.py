@@ -92,7 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "activation; --ffn-hidden-size defaults to 4h)")
     add_block_flags(g)
     megatron_flags.add_model_flags(g)
-    add_moe_flags(p.add_argument_group("mixture of experts"))
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -302,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compile_flags(p.add_argument_group("compile and CUDA graphs"))
     add_microscaling_flags(p.add_argument_group("microscaling and FP4"))
+    add_moe_flags(p.add_argument_group("mixture of experts"))
     megatron_flags.add_implementation_flags(p.add_argument_group("Megatron-LM implementation choices (accepted)"))
     return p
 

@@ -21,8 +21,8 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                    help="softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: the chosen k normalised to sum to 1)")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over all experts before the top-k (default: over the k chosen logits)")
-    g.add_argument("--moe-router-dtype", choices=("fp32",), default="fp32",
-                   help="the router's scores are computed in fp32 (the only choice, as Megatron recommends)")
+    g.add_argument("--moe-router-dtype", choices=("fp32",), default=None,
+                   help="the router's scores are always computed in fp32 (unset or fp32: Megatron's recommendation)")
     g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES,
                    default=d["moe_router_load_balancing_type"],
                    help="aux_loss (Switch: over the micro-batch), seq_aux_loss (DeepSeek-V3: per sequence) or none; "

@@ -1,0 +1,101 @@
+"""MoE through `megafp8.pretrain`, as users run it: built from scratch at every layout (TP2 + SP x DP2 with ZeRO, PP2
+under a zero-bubble schedule, CP2), each reproduces the single-process run's per-step losses, grad norms, balancing
+losses and expert loads in fp32; FP8 stays within FP8's bounds; checkpoints (the expert biases included) resume
+bit-exact and load at another layout."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from data_fixtures import REPO_ROOT
+from megafp8.training.megatron_flags import LLAMA_FLAGS
+
+# DeepSeek-V3's router (sigmoid, expert bias, sequence balancing loss) with a z loss and a shared expert; layer 0 dense.
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "0,1,1,1", "--moe-router-topk", "2",
+       "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+       "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-shared-expert-intermediate-size", "16"]
+
+
+def _train(tmp_path, name: str, nproc: int, *flags: str, iters: int = 4) -> list[dict]:
+    log_dir = tmp_path / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "megafp8.pretrain", *LLAMA_FLAGS, *MOE, "--mock-data", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "200", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+               "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
+               "--distributed-timeout-minutes", "2", "--train-iters", str(iters), "--log-dir", str(log_dir), *flags]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return [r for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines()) if "lm_loss" in r]
+
+
+def _assert_same_run(actual: list[dict], expected: list[dict], rtol: float = 1e-5) -> None:
+    assert [r["iteration"] for r in actual] == [r["iteration"] for r in expected]
+    for a, e in zip(actual, expected):
+        for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+            assert abs(a[key] - e[key]) <= rtol * abs(e[key]), (key, a, e)
+        assert a["moe_tokens_per_expert"] == e["moe_tokens_per_expert"], (a, e)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The reference: one process, fp32."""
+    tmp_path = tmp_path_factory.mktemp("moe")
+    return tmp_path, _train(tmp_path, "one", 1)
+
+
+@pytest.mark.distributed
+def test_the_single_process_run_logs_the_routers_and_balances(single_process):
+    _, run = single_process
+    for record in run:
+        loads = record["moe_tokens_per_expert"]
+        assert list(loads) == ["layers.1", "layers.2", "layers.3"]  # --moe-layer-freq 0,1,1,1: layer 0 is dense
+        assert all(sum(load) == 4 * 32 * 2 for load in loads.values())  # every token's two choices
+        assert 0.9 < record["moe_aux_loss"] < 2.0 and record["moe_z_loss"] > 0
+
+
+LAYOUTS = {
+    "tp2-sp-dp2-zero": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--use-distributed-optimizer"]),
+    "pp2-zbv": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                    "--pipeline-schedule", "zbv"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name == "cp2" else name
+                                    for name in LAYOUTS])
+def test_every_layout_built_from_scratch_reproduces_the_single_process_run(single_process, layout):
+    tmp_path, reference = single_process
+    nproc, flags = LAYOUTS[layout]
+    _assert_same_run(_train(tmp_path, layout, nproc, *flags), reference)
+
+
+@pytest.mark.distributed
+def test_fp8_experts_under_tp2_sp_dp2_stay_within_fp8_bounds(single_process):
+    tmp_path, reference = single_process
+    fp8 = _train(tmp_path, "fp8", 4, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                 "--fp8-param-gather")
+    for a, e in zip(fp8, reference):
+        assert abs(a["lm_loss"] - e["lm_loss"]) <= 0.01 * e["lm_loss"], (a, e)
+    assert any(a["lm_loss"] != e["lm_loss"] for a, e in zip(fp8, reference))  # the experts did run in FP8
+
+
+@pytest.mark.distributed
+def test_a_resume_is_bit_exact_and_loads_at_another_layout(single_process):
+    tmp_path, reference = single_process
+    _train(tmp_path, "first", 1, "--save", str(tmp_path / "ckpt"), "--exit-interval", "2")
+    same = _train(tmp_path, "resumed", 1, "--load", str(tmp_path / "ckpt"))
+    assert [r["lm_loss"] for r in same] == [r["lm_loss"] for r in reference[2:]]  # expert biases restored too
+    assert [r["moe_tokens_per_expert"] for r in same] == [r["moe_tokens_per_expert"] for r in reference[2:]]
+    other = _train(tmp_path, "resharded", 4, "--load", str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel", "--use-distributed-optimizer")
+    _assert_same_run(other, reference[2:])
