@@ -146,7 +146,7 @@ def test_an_expert_without_tokens_still_gets_a_zero_gradient():
         layer.router.weight.zero_()
         layer.router.weight[3] = 1.0  # every token picks expert 3 (for positive inputs)
     layer(torch.rand(SEQ, BATCH, HIDDEN)).sum().backward()
-    grads = [e.linear_fc1.weight.grad for e in layer.experts.local_experts]
+    grads = [e.linear_fc1.weight.grad for e in layer.experts.local_experts.values()]
     assert all(g is not None for g in grads)
     assert grads[3].abs().sum() > 0 and all(g.abs().sum() == 0 for i, g in enumerate(grads) if i != 3)
 
@@ -182,9 +182,17 @@ def test_expert_bias_moves_each_expert_towards_the_mean_load():
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
      ["--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"]),
     (["--num-experts", "4", "--compile"], ["--num-experts with --compile: not supported yet"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size without --num-experts"]),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
+     ["--num-experts (6) must be divisible by --expert-model-parallel-size (4)",
+      "--expert-tensor-parallel-size 2: only 1 is built", "needs --use-distributed-optimizer",
+      "--expert-tensor-parallel-size (2) x --expert-model-parallel-size (4) = 8 does not divide the ranks of a "
+      "pipeline stage (TP x CP x DP = 4)"]),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--fp8-format",
+      "hybrid", "--fp8-param-gather"], ["with --fp8-recipe delayed: not built yet", "with --fp8-param-gather: not"]),
 ])
 def test_moe_flag_problems_are_reported_together_one_line_each(flags, messages):
-    _, errors, _ = parse_and_check(["--num-layers", "2", *flags])
+    _, errors, _ = parse_and_check(["--num-layers", "2", *flags], world_size=4)
     for message in messages:
         assert sum(message in e for e in errors) == 1, (message, errors)
 
@@ -226,7 +234,7 @@ def test_experts_in_fp8_and_fp4_stay_within_their_sqnr_floors_of_high_precision(
         layer, xx = build(fp8_recipe), x.clone().requires_grad_()
         out = layer(xx)
         out.square().sum().backward()
-        runs.append((out.detach(), xx.grad, layer.experts.local_experts[0].linear_fc1.weight.grad))
+        runs.append((out.detach(), xx.grad, layer.experts.local_experts["0"].linear_fc1.weight.grad))
     assert any(n % 16 for n in layer.stats["tokens_per_expert"].tolist())  # ragged loads were padded
     (ref_out, ref_dx, ref_dw), (out, dx, dw) = runs
     assert sqnr_db(out, ref_out) >= out_db and sqnr_db(dx, ref_dx) >= dx_db and sqnr_db(dw, ref_dw) >= dw_db

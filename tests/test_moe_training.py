@@ -60,17 +60,25 @@ def test_the_single_process_run_logs_the_routers_and_balances(single_process):
         assert 0.9 < record["moe_aux_loss"] < 2.0 and record["moe_z_loss"] > 0
 
 
+ZERO = ["--use-distributed-optimizer"]
 LAYOUTS = {
-    "tp2-sp-dp2-zero": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                            "--use-distributed-optimizer"]),
+    "tp2-sp-dp2-zero": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *ZERO]),
     "pp2-zbv": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                     "--pipeline-schedule", "zbv"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
+    # expert parallelism, folded into the data-parallel (and TP, CP) ranks
+    "ep2-dp2": (2, ["--expert-model-parallel-size", "2", *ZERO]),
+    "ep4-tp2-sp-dp2": (4, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel", *ZERO]),
+    "ep2-pp2-1f1b": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                         "--pipeline-schedule", "1f1b", *ZERO]),
+    "ep2-cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", *ZERO]),
 }
+SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name == "cp2" else name
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
                                     for name in LAYOUTS])
 def test_every_layout_built_from_scratch_reproduces_the_single_process_run(single_process, layout):
     tmp_path, reference = single_process
@@ -80,6 +88,7 @@ def test_every_layout_built_from_scratch_reproduces_the_single_process_run(singl
 
 @pytest.mark.distributed
 def test_fp8_experts_under_tp2_sp_dp2_stay_within_fp8_bounds(single_process):
+    """Delayed scaling (the default recipe) with FP8 parameter all-gathers, experts whole on every rank."""
     tmp_path, reference = single_process
     fp8 = _train(tmp_path, "fp8", 4, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                  "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
@@ -90,12 +99,28 @@ def test_fp8_experts_under_tp2_sp_dp2_stay_within_fp8_bounds(single_process):
 
 
 @pytest.mark.distributed
-def test_a_resume_is_bit_exact_and_loads_at_another_layout(single_process):
+def test_blockwise_fp8_experts_under_ep4_stay_within_fp8_bounds(single_process):
+    """DeepSeek-V3's recipe (1x128 / 128x128 scales), the one to use with expert parallelism."""
     tmp_path, reference = single_process
-    _train(tmp_path, "first", 1, "--save", str(tmp_path / "ckpt"), "--exit-interval", "2")
-    same = _train(tmp_path, "resumed", 1, "--load", str(tmp_path / "ckpt"))
-    assert [r["lm_loss"] for r in same] == [r["lm_loss"] for r in reference[2:]]  # expert biases restored too
-    assert [r["moe_tokens_per_expert"] for r in same] == [r["moe_tokens_per_expert"] for r in reference[2:]]
-    other = _train(tmp_path, "resharded", 4, "--load", str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2",
-                   "--sequence-parallel", "--use-distributed-optimizer")
-    _assert_same_run(other, reference[2:])
+    fp8 = _train(tmp_path, "blockwise-ep4", 4, "--expert-model-parallel-size", "4", *ZERO, "--fp8-format", "e4m3",
+                 "--fp8-recipe", "blockwise", "--hidden-size", "128", "--moe-ffn-hidden-size", "128")
+    wide = _train(tmp_path, "wide", 1, "--hidden-size", "128", "--moe-ffn-hidden-size", "128")
+    for a, e in zip(fp8, wide):
+        assert abs(a["lm_loss"] - e["lm_loss"]) <= 0.01 * e["lm_loss"], (a, e)
+    assert any(a["lm_loss"] != e["lm_loss"] for a, e in zip(fp8, wide))
+    assert all(r["comm_bytes"]["ep_alltoall"] > 0 for r in fp8)
+
+
+@pytest.mark.distributed
+def test_an_ep2_checkpoint_resumes_bit_exact_and_loads_at_ep1_and_ep4(single_process):
+    tmp_path, reference = single_process
+    ep2 = ["--expert-model-parallel-size", "2", *ZERO]
+    _train(tmp_path, "first", 2, *ep2, "--save", str(tmp_path / "ckpt"), "--exit-interval", "2")
+    load = ["--load", str(tmp_path / "ckpt")]
+    same = _train(tmp_path, "resumed", 2, *ep2, *load)
+    uninterrupted = _train(tmp_path, "ep2", 2, *ep2)
+    assert [r["lm_loss"] for r in same] == [r["lm_loss"] for r in uninterrupted[2:]]  # expert biases restored too
+    assert [r["moe_tokens_per_expert"] for r in same] == [r["moe_tokens_per_expert"] for r in uninterrupted[2:]]
+    _assert_same_run(_train(tmp_path, "ep1", 1, *load), reference[2:])
+    _assert_same_run(_train(tmp_path, "ep4", 4, *load, "--expert-model-parallel-size", "4",
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel", *ZERO), reference[2:])

@@ -247,7 +247,8 @@ class SaturationGuard:
     def _checked(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[int, Fp8TensorStats]]]:
         """The layers still in FP8 with statistics, and (layer index, stats) of each of their tensors."""
         layers = [(name, module) for name, module in model.named_modules()
-                  if getattr(module, "fp8_telemetry", None) and not module.runs_high_precision]
+                  if getattr(module, "fp8_telemetry", None) and not module.runs_high_precision
+                  and not getattr(module, "unguarded", False)]
         return layers, [(i, s) for i, (_, module) in enumerate(layers) for s in module.fp8_telemetry.values()]
 
     def _start(self, layers: list[tuple[str, nn.Module]], stats: list) -> None:

@@ -35,7 +35,9 @@ from megafp8.fp8.autocast import resolve_recipe
 from megafp8.model.config import ModelConfig
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
+from megafp8.parallel.expert_dispatch import ExpertExchange
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.parallel.placement import Placement
 
 class MoELayer(nn.Module):
     """``[s_local, b, h]`` -> same; a drop-in for the dense MLP of a transformer block."""
@@ -51,17 +53,28 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.router = TopKRouter(config, parallel_state)
         # Expert weights are whole on each rank: their linears are built on a one-rank layout (no split, no collective).
+        # Under expert parallelism this rank holds experts [r E/EP, (r+1) E/EP), named by their global index.
         one_rank = ParallelState().init_process_groups()
         expert_config = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size)
+        self.ep = parallel_state.group("ep")
+        per_rank = config.num_experts // self.ep.size
+        self.first_expert = self.ep.rank * per_rank
         self.experts = nn.Module()
-        self.experts.local_experts = nn.ModuleList(MLP(expert_config, one_rank) for _ in range(config.num_experts))
+        self.experts.local_experts = nn.ModuleDict({str(e): MLP(expert_config, one_rank)
+                                                    for e in range(self.first_expert, self.first_expert + per_rank)})
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             self.shared_experts = MLP(shared, parallel_state)  # tensor-parallel, like the dense MLP
         for param in self.experts.parameters():
-            param.tensor_model_parallel = False  # whole on every TP rank (initialised as one tensor)
-            param.sequence_parallel = parallel_state.sequence_parallel  # each TP rank's grads are partial sums
+            param.tensor_model_parallel = False  # whole on every rank holding it (initialised as one tensor)
+            if self.ep.size == 1:  # copies on every TP rank: each TP rank's grads are partial sums (routed tokens)
+                param.sequence_parallel = parallel_state.sequence_parallel
+            else:  # its holders (the expert-data-parallel group) together saw every token routed to it
+                param.placement = Placement(grad_sync_group="edp")
+        if self.ep.size > 1:  # the saturation guard's MAX over the stage would mix different experts: not guarded
+            for module in self.experts.modules():
+                module.unguarded = True
         self.aux_loss_scale: float | torch.Tensor = 1.0  # this micro-batch's share of the step: set_aux_loss_scale
         self.stats: dict[str, torch.Tensor] | None = None  # accumulated router statistics (megafp8.model.moe_stats)
         if self.router.enable_expert_bias:  # the step's loads, for the bias update (not checkpointed: reset each step)
@@ -81,7 +94,12 @@ class MoELayer(nn.Module):
         capacity = self.capacity(tokens.shape[0])
         order, counts = dispatch_order(top_experts, top_probs, self.num_experts, capacity, self.drop_policy)
         rows = tokens[order // self.topk]  # [kept choices, h], sorted by expert
-        outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
+        if self.ep.size == 1:
+            outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
+        else:  # to the experts' ranks and back (megafp8.parallel.expert_dispatch)
+            exchange = ExpertExchange(counts, self.ep)
+            local = exchange.dispatch(rows)
+            outputs = exchange.combine(self._run_experts(local, None, exchange.local_counts, None))
         weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
         combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
         out = combined.view(-1, self.topk, hidden).sum(1).to(x.dtype).view(seq, batch, hidden)
@@ -103,7 +121,7 @@ class MoELayer(nn.Module):
         every step. Zero rows change no output, and add exact zeros to the weight gradients."""
         align = 16 if self._experts_run_low_precision() else 1
         slots = None
-        if self.pad_to_capacity:
+        if self.pad_to_capacity and capacity is not None:  # under EP the exchange read the counts anyway
             size = _round_up(capacity, align)
             within = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_experts]
             slots = row_experts * size + within
@@ -112,7 +130,7 @@ class MoELayer(nn.Module):
         else:
             sizes = counts.tolist()
         outputs = []
-        for expert, chunk in zip(self.experts.local_experts, rows.split(sizes)):
+        for expert, chunk in zip(self.experts.local_experts.values(), rows.split(sizes)):
             n = chunk.shape[0]
             padded = _round_up(max(n, 1), align)
             run = chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])])
@@ -121,7 +139,7 @@ class MoELayer(nn.Module):
         return outputs if slots is None else outputs[slots]
 
     def _experts_run_low_precision(self) -> bool:
-        fc1 = self.experts.local_experts[0].linear_fc1
+        fc1 = next(iter(self.experts.local_experts.values())).linear_fc1
         return resolve_recipe(fc1.recipe, fc1.runs_high_precision) is not None
 
     def _accumulate(self, losses: dict[str, torch.Tensor]) -> None:

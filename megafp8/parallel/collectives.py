@@ -26,6 +26,7 @@ compute while the collective is in flight (the FP8 linear runs wgrad under the d
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ COMM_KINDS: tuple[str, ...] = (
     "dp_param_allgather",   # ZeRO parameter all-gather after the optimizer step
     "amax_reduce",          # FP8 amax reduction over the TP x DP group
     "embedding_allreduce",  # tied-embedding grad all-reduce between first and last PP stage
+    "ep_alltoall",          # MoE token dispatch to the experts' ranks and the combine back (expert parallelism)
 )
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names; GPU machines
@@ -272,6 +274,20 @@ def all_to_all_single_async(output: torch.Tensor, input_: torch.Tensor, handle: 
     work = dist.all_to_all_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
                                   async_op=True)
     return PendingCollective(output, work)
+
+
+def all_to_all_uneven(input_: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      handle: GroupHandle, kind: str) -> torch.Tensor:
+    """Rows ``input_splits[i]`` of ``input_`` (dim 0, in member order) go to member ``i``; the result holds
+    ``output_splits[j]`` rows from member ``j``. Counted: the rows this rank sends to the others."""
+    output = input_.new_empty((sum(output_splits), *input_.shape[1:]))
+    if handle.size == 1:
+        return output.copy_(input_)
+    row = input_.element_size() * math.prod(input_.shape[1:])
+    handle.counters.add(kind, row * (sum(input_splits) - input_splits[handle.rank]))
+    dist.all_to_all_single(_wire_view(output), _wire_view(input_.detach().contiguous()), output_splits, input_splits,
+                           group=handle.group)
+    return output
 
 
 def split_along_dim(input_: torch.Tensor, handle: GroupHandle, dim: int = 0) -> torch.Tensor:

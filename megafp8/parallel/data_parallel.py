@@ -318,10 +318,14 @@ class DistributedDataParallel(nn.Module):
     def _start_grad_reduce(self, bucket: Bucket) -> None:
         self._replicated_reductions(bucket)
         group = bucket.group
+        # Average over the DP x CP replicas (a sum of per-replica mean losses / DP x CP), Megatron-Core's gradient
+        # scaling for every parameter: an expert's holders (its expert-data-parallel group) together saw every
+        # replica's tokens routed to it, so their sum is divided by DP x CP too, not by their own number.
+        if self.dp.size > 1:
+            bucket.grad_data.div_(self.dp.size)
         if group.size == 1:
             bucket.grad_work = True
             return
-        bucket.grad_data.div_(group.size)  # average over DP (sum of per-replica mean losses / DP)
         if bucket.fp8_grad:
             if bucket.fp8_grad_segments is None:
                 bucket.fp8_grad_segments = param_piece_segments(bucket, group.size)

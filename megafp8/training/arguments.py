@@ -24,7 +24,7 @@ from megafp8.optim.loss_scaler import loss_scale_errors
 from megafp8.training.block_flags import add_block_flags, block_errors
 from megafp8.training.microscaling_flags import (add_microscaling_flags, fill_microscaling_defaults,
                                                  microscaling_errors)
-from megafp8.training.moe_flags import add_moe_flags, moe_flag_errors
+from megafp8.training.moe_flags import add_moe_flags, expert_tensor_parallel_size, moe_flag_errors
 from megafp8.training.profiling import profile_errors
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -421,7 +421,8 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
             kv_channels=args.kv_channels, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, pipeline_schedule=args.pipeline_schedule,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
-            last_stage_layers=args.decoder_last_pipeline_num_layers)
+            last_stage_layers=args.decoder_last_pipeline_num_layers, ep=args.expert_model_parallel_size,
+            etp=expert_tensor_parallel_size(args))
     if args.train_iters is None and args.train_samples is None:
         errors.append("give the training length: --train-iters or --train-samples")
     elif args.train_iters is not None and args.train_samples != args.train_iters * args.global_batch_size:

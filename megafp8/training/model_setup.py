@@ -8,6 +8,7 @@ import torch
 from megafp8.model import ModelConfig
 from megafp8.model.moe_options import MOE_FLAG_DEFAULTS
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.moe_flags import expert_tensor_parallel_size
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -50,4 +51,6 @@ def parallel_state_from_args(args: argparse.Namespace) -> ParallelState:
                          sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule,
                          decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
                          decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-                         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type)
+                         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+                         expert_model_parallel_size=args.expert_model_parallel_size,
+                         expert_tensor_parallel_size=expert_tensor_parallel_size(args))

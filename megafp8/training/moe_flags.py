@@ -43,15 +43,54 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                         "rest dropped (default: dropless)")
     g.add_argument("--moe-token-drop-policy", choices=TOKEN_DROP_POLICIES, default=d["moe_token_drop_policy"],
                    help="with a capacity: an expert keeps its highest-weight tokens (probs) or its earliest (position)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP: the experts of each MoE layer split over this many ranks of a pipeline stage (Megatron-"
+                        "Core's parallel folding: they come from the TP x CP x DP ranks), tokens dispatched by "
+                        "all-to-all")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ETP: each expert split over this many ranks; only 1 is built (whole experts), the default "
+                        "with --num-experts")
+    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall",), default="alltoall",
+                   help="how tokens reach their experts' ranks under EP: alltoall (Megatron's allgather and flex "
+                        "dispatchers are not built)")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad every expert's input to its capacity: static shapes, no host read of the loads")
+
+
+def expert_tensor_parallel_size(args: argparse.Namespace) -> int | None:
+    """--expert-tensor-parallel-size, 1 for a MoE model when not given (whole experts: the only layout built); None
+    (the TP size, Megatron's default) for a dense one, whose expert view is then the dense view."""
+    if args.expert_tensor_parallel_size is not None:
+        return args.expert_tensor_parallel_size
+    return 1 if args.num_experts is not None else None
 
 
 def moe_flag_errors(args: argparse.Namespace) -> list[str]:
     """The MoE options' own problems and what MoE does not compose with yet, one line each."""
     errors = moe_errors(args)
+    ep = args.expert_model_parallel_size
     if args.num_experts is None:
+        for flag, value in (("--expert-model-parallel-size", ep if ep != 1 else None),
+                            ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size)):
+            if value is not None:
+                errors.append(f"{flag} without --num-experts: the model has no experts to split")
         return errors
+    if ep >= 1 and args.num_experts % ep:
+        errors.append(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
+    if args.expert_tensor_parallel_size not in (None, 1):
+        errors.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: only 1 is built (each "
+                      "expert whole on its rank)")
+    if ep > 1:
+        if not args.use_distributed_optimizer:
+            errors.append("--expert-model-parallel-size > 1 needs --use-distributed-optimizer (the ZeRO optimizer "
+                          "shards the experts over their expert-data-parallel group)")
+        delayed = args.fp8_format is not None and args.fp8_recipe == "delayed" and args.fp4 is None
+        for flag, on in (("--fp8-recipe delayed", delayed), ("--fp8-param-gather", args.fp8_param_gather),
+                         ("--fp8-grad-reduce", args.fp8_grad_reduce), ("--fp4-param-gather", args.fp4_param_gather)):
+            if on:
+                errors.append(f"--expert-model-parallel-size > 1 with {flag}: not built yet (the experts' scaling "
+                              "state and FP8 shards would have to reduce over the expert-data-parallel group); use a "
+                              "current-scaling recipe such as --fp8-recipe blockwise")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         errors.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
                       "rule: each TP rank routes its own slice of the sequence)")

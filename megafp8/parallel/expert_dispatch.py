@@ -1,0 +1,67 @@
+"""Expert parallelism's token exchange: each (token, expert) row travels to the rank holding its expert and its output
+comes back (Megatron-Core's alltoall dispatcher), as autograd functions whose backward is the reverse exchange.
+
+Rows leave sorted by global expert (megafp8.model.moe.dispatch_order), so the rows for EP rank r are one contiguous
+run: experts ``[r E/EP, (r+1) E/EP)``. The receiver gets them grouped by source rank and regroups them by local
+expert (a permutation built from the exchanged counts), runs its experts, and undoes both on the way back. The
+counts travel first (a small all-to-all of ``[EP, E/EP]`` integers, read on the host: the row exchange needs its
+split sizes there, as in Megatron). Rows are counted as ``ep_alltoall``; the counts are not (like the loss
+normalizer's token count).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megafp8.parallel import collectives as C
+from megafp8.parallel.collectives import GroupHandle
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], ep: GroupHandle):
+        ctx.splits, ctx.ep = (output_splits, input_splits), ep
+        return C.all_to_all_uneven(rows, output_splits, input_splits, ep, "ep_alltoall")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return C.all_to_all_uneven(grad.contiguous(), input_splits, output_splits, ctx.ep, "ep_alltoall"), \
+            None, None, None
+
+
+class ExpertExchange:
+    """One micro-batch's exchange over the EP group: ``dispatch`` sends this rank's rows (sorted by global expert, with
+    ``counts`` per global expert) and returns the rows of this rank's experts grouped by local expert, with their
+    counts; ``combine`` sends those rows' outputs back and returns them in the original order."""
+
+    def __init__(self, counts: torch.Tensor, ep: GroupHandle) -> None:
+        self.ep = ep
+        local = counts.numel() // ep.size
+        send = counts.view(ep.size, local)  # [destination rank, its local expert]
+        recv = torch.empty_like(send)
+        if ep.size > 1:
+            dist.all_to_all_single(recv, send.contiguous(), group=ep.group)
+        else:
+            recv.copy_(send)
+        send_host, recv_host = send.tolist(), recv.tolist()  # [rank][local expert], one read each
+        self.input_splits = [sum(row) for row in send_host]
+        self.output_splits = [sum(row) for row in recv_host]
+        self.local_counts = recv.sum(0)
+        # Received rows come [source][local expert]; the experts want [local expert][source]: segment (e, src) starts
+        # at its source-major offset and the segments are laid out expert-major.
+        source_major = recv.flatten()
+        segment_start = (torch.cumsum(source_major, 0) - source_major).view(ep.size, local).t().flatten()
+        segment_count = recv.t().flatten()
+        within = torch.arange(int(segment_count.sum()), device=counts.device) - torch.repeat_interleave(
+            torch.cumsum(segment_count, 0) - segment_count, segment_count)
+        self.by_expert = torch.repeat_interleave(segment_start, segment_count) + within
+        self.by_source = torch.empty_like(self.by_expert)
+        self.by_source[self.by_expert] = torch.arange(self.by_expert.numel(), device=counts.device)
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        received = _AllToAll.apply(rows, self.output_splits, self.input_splits, self.ep)
+        return received[self.by_expert]
+
+    def combine(self, outputs: torch.Tensor) -> torch.Tensor:
+        return _AllToAll.apply(outputs[self.by_source], self.input_splits, self.output_splits, self.ep)
