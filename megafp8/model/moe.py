@@ -98,7 +98,7 @@ class MoELayer(nn.Module):
             outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
         else:  # to the experts' ranks and back (megafp8.parallel.expert_dispatch)
             exchange = ExpertExchange(counts, self.ep)
-            local = exchange.dispatch(rows)
+            local = exchange.dispatch(rows, fp8=self._experts_run_low_precision())
             outputs = exchange.combine(self._run_experts(local, None, exchange.local_counts, None))
         weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
         combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
