@@ -132,3 +132,16 @@ def test_an_ep2_checkpoint_resumes_bit_exact_and_loads_at_ep1_and_ep4(single_pro
     _assert_same_run(_train(tmp_path, "ep1", 1, *load), reference[2:])
     _assert_same_run(_train(tmp_path, "ep4", 4, *load, "--expert-model-parallel-size", "4",
                             "--tensor-model-parallel-size", "2", "--sequence-parallel", *ZERO), reference[2:])
+
+
+@pytest.mark.distributed
+def test_the_numerics_report_draws_each_moe_layers_expert_load(single_process):
+    tmp_path, run = single_process
+    result = subprocess.run([sys.executable, "tools/fp8_report.py", str(tmp_path / "one"), "--output",
+                             str(tmp_path / "report")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Expert load" in report and (tmp_path / "report" / "expert_load_one.png").stat().st_size > 0
+    last = run[-1]["moe_tokens_per_expert"]
+    for layer, load in last.items():  # the table's max/mean of the last window, from the run's own counts
+        assert f"| one | {layer} | {max(load) / (sum(load) / len(load)):.3f} |" in report

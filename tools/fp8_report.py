@@ -1,4 +1,5 @@
-"""FP8 numerics report: loss parity against a baseline run, grad norm and per-layer FP8 telemetry heatmaps.
+"""FP8 numerics report: loss parity against a baseline run, grad norm, per-layer FP8 telemetry and MoE expert-load
+heatmaps.
 
     python tools/fp8_report.py RUN_DIR... --output REPORT_DIR [--baseline NAME] [--seq-length N] [--band 0.01]
                                [--pair RUN=REFERENCE]... [--pair-band 0.005]
@@ -236,6 +237,55 @@ def _plot_telemetry(run: Run, output: Path) -> str | None:
     return name
 
 
+def expert_loads(run: Run) -> dict[str, tuple[list[int], np.ndarray]]:
+    """Per MoE layer, (logged iterations, [experts, iterations] tokens over the balanced share): 1 is a fair load."""
+    records = [r for r in run.train if r.get("moe_tokens_per_expert")]
+    layers = sorted({layer for r in records for layer in r["moe_tokens_per_expert"]}, key=_natural)
+    loads = {}
+    for layer in layers:
+        points = [(r["iteration"], r["moe_tokens_per_expert"][layer]) for r in records
+                  if layer in r["moe_tokens_per_expert"]]
+        matrix = np.asarray([counts for _, counts in points], dtype=float).T
+        loads[layer] = ([it for it, _ in points], matrix / np.maximum(matrix.mean(axis=0, keepdims=True), 1e-30))
+    return loads
+
+
+def _expert_load_section(runs: list[Run], output: Path) -> list[str]:
+    """The MoE runs' expert loads: a heatmap per run (a panel per MoE layer) and the max/mean table."""
+    import matplotlib.pyplot as plt
+
+    lines = []
+    for run in runs:
+        loads = expert_loads(run)
+        if not loads:
+            continue
+        if not lines:
+            lines = ["## Expert load", "", "Tokens each expert received over the balanced share (1 = fair), per logged "
+                     "window; max/mean over the run's last logged window.", "",
+                     "| run | layer | max/mean load (last) | max/mean load (mean over the run) | moe aux loss (last) |",
+                     "|---|---|---|---|---|"]
+        aux = run.train[-1].get("moe_aux_loss")
+        for layer, (_, share) in loads.items():
+            lines.append(f"| {run.name} | {layer} | {share[:, -1].max():.3f} | {share.max(axis=0).mean():.3f} | "
+                         f"{'-' if aux is None else f'{aux:.4f}'} |")
+        fig, axes = plt.subplots(1, len(loads), figsize=(3.2 * len(loads), 2.8), squeeze=False)
+        for ax, (layer, (steps, share)) in zip(axes[0], loads.items()):
+            image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="magma", vmin=0,
+                              vmax=max(2.0, float(share.max())))
+            ax.set_title(f"{run.name} {layer}", fontsize=7)
+            ax.set_ylabel("expert", fontsize=7)
+            ticks = np.linspace(0, len(steps) - 1, min(len(steps), 5)).astype(int)
+            ax.set_xticks(ticks, [steps[t] for t in ticks], fontsize=6)
+            fig.colorbar(image, ax=ax)
+        fig.tight_layout()
+        name = f"expert_load_{run.name}.png"
+        fig.savefig(output / name, dpi=80)
+        plt.close(fig)
+        lines.append("")
+        lines += [f"![expert load {run.name}]({name})", ""]
+    return lines + ([""] if lines else [])
+
+
 def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
     """One plain-words sentence: within/outside the band and, if outside, the layers the telemetry blames."""
     if run is baseline:
@@ -337,6 +387,7 @@ def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_l
     lines += ["", "![loss](loss.png)", "", "![gap and grad norm](gap_and_grad_norm.png)", ""]
     lines += _pair_section(runs, pairs or [], use_validation, pair_band)
     lines += _guard_section(runs)
+    lines += _expert_load_section(runs, output)
     for run in runs:
         image = _plot_telemetry(run, output)
         if image:

@@ -47,7 +47,7 @@ from megafp8.parallel import collectives as C
 from megafp8.parallel.context_parallel import split_for_context_parallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
-from megafp8.training.flops import flops_per_iteration
+from megafp8.training.flops import flops_per_iteration, moe_flops_args
 from megafp8.training.profiling import IterationProfiler
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
 
@@ -191,7 +191,8 @@ class Trainer:
                                          num_attention_heads=args.num_attention_heads,
                                          num_query_groups=args.num_query_groups, seq_length=args.seq_length,
                                          padded_vocab_size=pipeline.chunks[0].padded_vocab_size,
-                                         kv_channels=args.kv_channels, gated_mlp=args.activation != "xielu")
+                                         kv_channels=args.kv_channels, gated_mlp=args.activation != "xielu",
+                                         **moe_flops_args(args))
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         self.profiler = IterationProfiler(args, ps.rank)
         self.has_moe = has_moe(pipeline.chunks)
