@@ -15,7 +15,10 @@
 #         precision schedule: nvfp4_then_bf16 (the last 20% of the run in high precision) and nvfp4_fprop_bf16
 #         (the NVFP4 paper's variant: only the forward GEMMs switch); the architectures for FP8: fog_fp32 /
 #         fog_fp8 (FOG's block), mus_fp32 / mus_static (μnit Scaling with static casts), and FP8 attention in the
-#         Llama (fp8_attention) and in FOG's block (fog_fp8_attention)
+#         Llama (fp8_attention) and in FOG's block (fog_fp8_attention); mixture of experts with the dense MLP's
+#         active parameters (4 experts of half its width, top-2): moe_fp32 (softmax router, aux loss 1e-2),
+#         moe_blockwise (the same in FP8 blockwise, DeepSeek-V3's recipe) and moe_bias_fp32 (DeepSeek-V3's sigmoid
+#         router with the aux-loss-free expert bias)
 #
 #   bash examples/fp8_parity.sh [--quick] [WORKDIR]     (default WORKDIR: ./runs/fp8_parity)
 #   --quick: 40 steps of a 2-layer Llama (CI); default: 500 steps of a 4-layer one on a larger corpus and
@@ -64,6 +67,10 @@ common=(
 )
 fp8="--fp8-format hybrid --fp8-recipe"
 fog="--no-pre-norm --post-norm --qk-layernorm --freeze-qk-layernorm --activation xielu"
+ffn=$(sed -n 's/.*--ffn-hidden-size \([0-9]*\).*/\1/p' <<< "$model")
+moe_common="--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size $((ffn / 2))"
+moe="$moe_common --moe-aux-loss-coeff 1e-2"
+moe_bias="$moe_common --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-aux-loss-coeff 0"
 mus="--unit-scaling --residual-tau 0.2 --post-norm --no-pre-norm --lr 3e-2 --min-lr 3e-3"
 declare -A run_flags=(
   [fp32]=""
@@ -95,12 +102,16 @@ declare -A run_flags=(
   # FP8 attention (--fp8-dot-product-attention) in the Llama, where FOG saw divergence, and in FOG's block.
   [fp8_attention]="$fp8 delayed --fp8-dot-product-attention"
   [fog_fp8_attention]="$fog $fp8 delayed --fp8-dot-product-attention"
+  # Mixture of experts (docs/parallelism.md): the dense MLP's active parameters in 4 experts of half its width, top 2.
+  [moe_fp32]="$moe"
+  [moe_blockwise]="$moe --fp8-format e4m3 --fp8-recipe blockwise --fp8-power-of-2-scale"
+  [moe_bias_fp32]="$moe_bias"
 )
 dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
 declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 fog_fp32 fog_fp8 mus_fp32 mus_static fp8_attention fog_fp8_attention}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 fog_fp32 fog_fp8 mus_fp32 mus_static fp8_attention fog_fp8_attention moe_fp32 moe_blockwise moe_bias_fp32}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"
@@ -122,7 +133,8 @@ for name in $runs; do
 done
 
 pairs=()
-for pair in fp8_grad_reduce=fp8_zero_dp2 fog_fp8=fog_fp32 mus_static=mus_fp32 fog_fp8_attention=fog_fp32; do
+for pair in fp8_grad_reduce=fp8_zero_dp2 fog_fp8=fog_fp32 mus_static=mus_fp32 fog_fp8_attention=fog_fp32 \
+            moe_blockwise=moe_fp32; do
   if [[ " $runs " == *" ${pair%%=*} "* && " $runs " == *" ${pair##*=} "* ]]; then pairs+=(--pair "$pair"); fi
 done
 python tools/fp8_report.py "${dirs[@]}" --output "$work/report" --seq-length "$seq_length" "${pairs[@]}"

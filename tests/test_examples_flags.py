@@ -47,7 +47,7 @@ def _validated(flags: list[str], world_size: int, vocab_size: int):
 
 
 @pytest.mark.parametrize("script", ["pretrain_llama3_8b_fp8.sh", "pretrain_llama3_8b_32k_cp.sh", "pretrain_single_gpu.sh",
-                                    "quickstart.sh", "fp8_parity.sh"])
+                                    "quickstart.sh", "fp8_parity.sh", "pretrain_moe_qwen3_30b_a3b.sh"])
 def test_example_is_valid_bash(script):
     assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, script)]).returncode == 0
 
@@ -90,6 +90,20 @@ def test_long_context_template_flags_are_accepted(tmp_path, nnodes):
     assert args.global_batch_size * args.seq_length == 128 * 32768  # 4M tokens per iteration
 
 
+@pytest.mark.parametrize("nnodes", [2, 4])
+def test_moe_template_flags_are_accepted(tmp_path, nnodes):
+    """Qwen3-30B-A3B's shapes (its config.json) at PP2 x TP2 + SP x DP, the experts over EP 8 of each stage."""
+    flags, world_size = _entry_flags(_launch("pretrain_moe_qwen3_30b_a3b.sh", tmp_path, NNODES=str(nnodes)))
+    assert world_size == 8 * nnodes
+    args = _validated(flags, world_size, 151936)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups, args.kv_channels,
+            args.num_experts, args.moe_ffn_hidden_size, args.moe_router_topk) == (48, 2048, 32, 4, 128, 128, 768, 8)
+    assert args.qk_layernorm and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax
+    assert (args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size,
+            args.expert_model_parallel_size) == (2, 2, 2 * nnodes, 8)
+    assert args.fp8_recipe == "blockwise" and args.fp8_power_of_2_scale and args.use_distributed_optimizer
+
+
 def test_single_gpu_script_flags_are_accepted(tmp_path):
     flags, world_size = _entry_flags(_launch("pretrain_single_gpu.sh", tmp_path))
     assert world_size == 1
@@ -103,7 +117,7 @@ def test_single_gpu_script_flags_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["pretrain_single_gpu.sh", "pretrain_llama3_8b_fp8.sh",
-                                    "pretrain_llama3_8b_32k_cp.sh"])
+                                    "pretrain_llama3_8b_32k_cp.sh", "pretrain_moe_qwen3_30b_a3b.sh"])
 def test_gpu_example_install_line_brings_the_packages_its_flags_need(script, tmp_path):
     """The install line in the script's header names the extras whose packages its flags import (a tokenizer,
     TensorBoard): following it, the run does not stop at the optional-package check."""

@@ -12,15 +12,18 @@ import pytest
 from data_fixtures import REPO_ROOT
 
 # The default run: one row per family (per-tensor, block-scaled, the guard pair, MX, NVFP4 and its schedule, the
-# architectures, FP8 attention); -m slow runs every row of the script.
+# architectures, FP8 attention, mixture of experts); -m slow runs every row of the script.
 RUNS = ["fp32", "fp8_delayed", "fp8_blockwise", "fp8_overflow_guarded", "fp8_overflow_unguarded", "mxfp8", "nvfp4",
-        "nvfp4_then_bf16", "fog_fp32", "fog_fp8", "mus_fp32", "mus_static", "fp8_attention"]
+        "nvfp4_then_bf16", "fog_fp32", "fog_fp8", "mus_fp32", "mus_static", "fp8_attention", "moe_fp32",
+        "moe_blockwise"]
 ALL_RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_zero_compressed",
             "fp8_delayed_smooth_swiglu", "fp8_overflow_guarded", "fp8_overflow_unguarded", "mxfp8", "nvfp4",
             "nvfp4_no_sr", "nvfp4_no_rht", "nvfp4_no_2d", "mxfp4", "nvfp4_then_bf16", "nvfp4_fprop_bf16", "fog_fp32",
-            "fog_fp8", "mus_fp32", "mus_static", "fp8_attention", "fog_fp8_attention"]
+            "fog_fp8", "mus_fp32", "mus_static", "fp8_attention", "fog_fp8_attention", "moe_fp32", "moe_blockwise",
+            "moe_bias_fp32"]
 # The architectures against their own fp32 run; those runs are other models (not compared with the Llama's fp32).
-OWN_BASELINE = {"fog_fp8": "fog_fp32", "mus_static": "mus_fp32", "fog_fp8_attention": "fog_fp32"}
+OWN_BASELINE = {"fog_fp8": "fog_fp32", "mus_static": "mus_fp32", "fog_fp8_attention": "fog_fp32",
+                "moe_blockwise": "moe_fp32"}
 SCHEDULES = {"nvfp4_then_bf16": "FP4 layers switch to high precision at iteration 17",  # 0.8 of 20 iterations
              "nvfp4_fprop_bf16": "FP4 layers switch to the forward GEMMs in high precision (dgrad/wgrad stay FP4) "
                                  "at iteration 17"}
@@ -42,7 +45,7 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path, ru
         train = [r["lm_loss"] for r in records if "lm_loss" in r]
         final_val[name] = [r["val_lm_loss"] for r in records if "val_lm_loss" in r][-1]
         assert len(train) == 20 // 5 and train[-1] < train[0], (name, train)
-        if name not in ("fp32", "fog_fp32", "mus_fp32"):  # telemetry went to TensorBoard for the FP8 runs
+        if not name.endswith("fp32"):  # telemetry went to TensorBoard for the FP8 runs
             assert list((tmp_path / "runs" / name / "tb").glob("events.out.tfevents*")), name
     for name in (n for n in runs[1:] if n not in OWN_BASELINE.values()):
         baseline = OWN_BASELINE.get(name, "fp32")
@@ -57,3 +60,4 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path, ru
     assert "| fp8_overflow_guarded | 6 | layers.0.mlp.linear_fc2 |" in report
     assert all(f"| {name} | 20 |" in report for name in runs)
     assert (tmp_path / "report" / "telemetry_fp8_blockwise.png").exists()
+    assert "## Expert load" in report and (tmp_path / "report" / "expert_load_moe_blockwise.png").exists()

@@ -45,8 +45,8 @@ class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
         super().__init__()
         if parallel_state.tp_size > 1 and not parallel_state.sequence_parallel:
-            raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's rule: "
-                             "each TP rank routes its own slice of the sequence)")
+            raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
+                             "rule: each TP rank routes its own slice of the sequence)")
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy = config.moe_token_drop_policy
@@ -55,7 +55,8 @@ class MoELayer(nn.Module):
         # Expert weights are whole on each rank: their linears are built on a one-rank layout (no split, no collective).
         # Under expert parallelism this rank holds experts [r E/EP, (r+1) E/EP), named by their global index.
         one_rank = ParallelState().init_process_groups()
-        expert_config = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size)
+        expert_ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        expert_config = dataclasses.replace(config, ffn_hidden_size=expert_ffn)
         self.ep = parallel_state.group("ep")
         per_rank = config.num_experts // self.ep.size
         self.first_expert = self.ep.rank * per_rank

@@ -82,7 +82,8 @@ class TopKRouter(nn.Module):
         choices = F.one_hot(top_experts, self.num_experts).sum(1).float()  # [T, E]: 1 where t chose e
         if self.load_balancing_type == "seq_aux_loss":
             seq_tokens = tokens // batch_size
-            per_seq_choices = self._sum_over_sequence_split(choices.detach().view(-1, batch_size, self.num_experts).sum(0))
+            per_seq = choices.detach().view(-1, batch_size, self.num_experts).sum(0)
+            per_seq_choices = self._sum_over_sequence_split(per_seq)
             f = per_seq_choices / (self.topk * seq_tokens)  # [b, E]
             p = scores.view(-1, batch_size, self.num_experts).sum(0) / seq_tokens
             balance = self.num_experts * (f * p).sum(-1).mean()

@@ -10,8 +10,8 @@ normalizer's token count).
 
 FP8 dispatch (``fp8=True``, when the experts run an 8- or 4-bit recipe): the rows travel as E4M3 bytes with one
 power-of-two fp32 scale per 1x128 block of each row (DeepSeek-V3's dispatch format), packed into one byte message
-per destination: ``h + 4 ceil(h/128)`` bytes a row, 0.52x BF16's ``2h`` at h = 128 and less above. The receiver
-dequantizes them for the expert's FC1, whose own input cast then re-quantizes them: losslessly under
+per destination: ``h + 4 ceil(h/128)`` bytes a row, 0.516x BF16's ``2h`` (one 4-byte scale per 128 values). The
+receiver dequantizes them for the expert's FC1, whose own input cast then re-quantizes them: losslessly under
 ``--fp8-recipe blockwise`` with power-of-two scales (the same 1x128 blocks: every value is already on the grid),
 a second rounding onto the recipe's grid otherwise. The backward (the rows' gradient) and the combine return in
 high precision (BF16 on GPUs), DeepSeek's choice.
@@ -49,7 +49,8 @@ def _pack_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0:  # the cast refuses an empty tensor; nothing to send
         return rows.new_empty((0, rows.shape[1] + 4 * blocks), dtype=torch.uint8)
     q = quantize(rows.detach().contiguous(), torch.float8_e4m3fn, Granularity.BLOCK_1X128, power_of_2_scale=True)
-    return torch.cat([q.data.view(torch.uint8), q.scale_inv.float().clone(memory_format=torch.contiguous_format).view(torch.uint8)], dim=1)
+    scales = q.scale_inv.float().clone(memory_format=torch.contiguous_format)  # row-major even for one row
+    return torch.cat([q.data.view(torch.uint8), scales.view(torch.uint8)], dim=1)
 
 
 def _unpack_fp8_rows(packed: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:

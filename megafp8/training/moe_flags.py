@@ -10,7 +10,8 @@ from megafp8.model.moe_options import (LOAD_BALANCING_TYPES, MOE_FLAG_DEFAULTS, 
 def add_moe_flags(g: argparse._ArgumentGroup) -> None:
     d = MOE_FLAG_DEFAULTS
     g.add_argument("--num-experts", type=int, default=None,
-                   help="routed experts per MoE layer (default: a dense model); docs/parallelism.md 'Mixture of experts'")
+                   help="routed experts per MoE layer (default: a dense model); docs/parallelism.md, 'Mixture of "
+                        "experts'")
     g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=d["moe_layer_freq"],
                    help="which layers are MoE: every N-th (layer i when i %% N == 0; 1 = all) or one 0/1 per layer, "
                         "comma-separated")
