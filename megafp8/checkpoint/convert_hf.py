@@ -1,4 +1,4 @@
-"""Hugging Face Llama directory <-> megafp8 checkpoint, streamed one tensor (one fused layer tensor) at a time.
+"""Hugging Face Llama (Qwen3, Mixtral, Qwen3-MoE) directory <-> megafp8 checkpoint, streamed a tensor at a time.
 
 HF -> megafp8: every megafp8 parameter becomes a lazy ``ShardedChunks`` whose data DCP asks for only while
 writing it (q/k/v are read and fused then, gate/up concatenated), so peak memory is about one fused tensor.
@@ -32,8 +32,10 @@ from megafp8.checkpoint.safe_dcp import read_metadata
 from megafp8.checkpoint.save_load import read_entries, save_checkpoint
 from megafp8.checkpoint.sharded_tensor import ShardedChunks
 from megafp8.model.config import ModelConfig
-from megafp8.model.hf_mapping import (NORM_WEIGHTS, fuse_qkv, hf_architecture, hf_llama_config_kwargs, hf_norm_gain,
-                                      layer_renames, norm_weight_from_hf, split_qkv)
+from megafp8.model.hf_mapping import (NORM_WEIGHTS, fuse_qkv, hf_config_fields, hf_norm_gain, layer_renames,
+                                      mlp_sources, norm_weight_from_hf, split_qkv)
+from megafp8.model.hf_moe_mapping import (moe_export_problems, moe_fields_from_manifest, moe_mlp_hf_shapes,
+                                          moe_training_args)
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.megatron_flags import LLAMA_FLAGS
@@ -61,8 +63,9 @@ def _hf_layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (config.num_query_groups * d, h),
             p + "self_attn.v_proj.weight": (config.num_query_groups * d, h),
             p + "self_attn.o_proj.weight": (h, config.num_attention_heads * d),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
+            **(moe_mlp_hf_shapes(config, i) if config.is_moe_layer(i) else
+               {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn)}),
             **({p + f"self_attn.{x}_norm.weight": (d,) for x in "qk"} if config.qk_layernorm else {})}
 
 
@@ -87,7 +90,7 @@ def _megafp8_sources(config: ModelConfig) -> dict[str, list[str]]:
         for src, dst in layer_renames(config).items():
             sources[ours + src] = [theirs + dst]
         sources[ours + "self_attention.linear_qkv.weight"] = [theirs + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        sources[ours + "mlp.linear_fc1.weight"] = [theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"]
+        sources.update({ours + src: [theirs + p for p in parts] for src, parts in mlp_sources(config, i).items()})
     return sources
 
 
@@ -101,7 +104,7 @@ def training_args(config: ModelConfig) -> dict[str, Any]:
             # always saved: a run resumed with --apply-layernorm-1p from plain gains would scale by 1 + g
             "layernorm_zero_centered_gamma": config.layernorm_zero_centered_gamma, "qk_layernorm": config.qk_layernorm,
             **({"kv_channels": config.kv_channels} if config.kv_channels is not None else {}),
-            **rope_scaling_args(config)}
+            **rope_scaling_args(config), **moe_training_args(config)}
 
 
 def rope_scaling_args(config: ModelConfig) -> dict[str, Any]:
@@ -266,7 +269,7 @@ def _config_from_manifest(args: dict[str, Any], vocab_size: int, path: Path) -> 
                        init_method_std=args.get("init_method_std", 0.02), kv_channels=args.get("kv_channels"),
                        layernorm_zero_centered_gamma=bool(args.get("layernorm_zero_centered_gamma", False)),
                        qk_layernorm=bool(args.get("qk_layernorm", False)),
-                       **_rope_scaling_from_manifest(args, path))
+                       **_rope_scaling_from_manifest(args, path), **moe_fields_from_manifest(args))
 
 
 def _rope_scaling_from_manifest(args: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -278,6 +281,17 @@ def _rope_scaling_from_manifest(args: dict[str, Any], path: Path) -> dict[str, A
     if missing:
         raise ConversionError(f"{path}: the manifest says --use-rope-scaling but lacks {missing}")
     return {"use_rope_scaling": True, **{name: args[name] for name in names}}
+
+
+def _check_moe_exportable(config: ModelConfig, save_format: str, path: Path) -> None:
+    """A MoE model goes to its HF family (Mixtral, Qwen3-MoE) in high precision only: the quantized layouts name
+    the dense layers' linears (and the saturation guard's layers), not the experts'."""
+    problems = moe_export_problems(config)
+    if config.num_experts is not None and save_format != "hf":
+        problems.append(f"--num-experts with --save-format {save_format} (the quantized exports cover dense models "
+                        "only yet: export with --save-format hf)")
+    if problems:
+        raise ConversionError(f"{path}: cannot export to HF: {'; '.join(problems)}")
 
 
 class _CheckpointReader:
@@ -312,7 +326,7 @@ def _hf_order(config: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         names += [p + dst for dst in layer_renames(config).values()]
-        names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        names += [p + part for parts in mlp_sources(config, i).values() for part in parts]
     return names + ["model.norm.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
 
 
@@ -329,10 +343,8 @@ def _hf_tensors(reader: _CheckpointReader, config: ModelConfig) -> Iterator[tupl
         del q, k, v
         for src, dst in layer_renames(config).items():
             yield theirs + dst, hf_norm_gain(one(ours + src), config) if src in NORM_WEIGHTS else one(ours + src)
-        gate, up = one(ours + "mlp.linear_fc1.weight").chunk(2)
-        yield theirs + "mlp.gate_proj.weight", gate
-        yield theirs + "mlp.up_proj.weight", up
-        del gate, up
+        for src, parts in mlp_sources(config, i).items():  # [gate; up] splits in two halves
+            yield from ((theirs + dst, part) for dst, part in zip(parts, one(ours + src).chunk(len(parts))))
     yield "model.norm.weight", hf_norm_gain(one("final_layernorm.weight"), config)
     if not config.tie_embeddings:
         yield "lm_head.weight", one("output_layer.weight")
@@ -354,10 +366,10 @@ def megafp8_to_hf(load_dir: str | Path, save_dir: str | Path, *, save_format: st
     config = _config_from_manifest(reader.manifest.get("args", {}), embedding.size[0], reader.path)
     _check_layer_count(config.num_layers, reader.metadata, r"model\.layers\.(\d+)\.", reader.path / MANIFEST_FILE,
                        "num_layers", "the checkpoint holds")
+    _check_moe_exportable(config, save_format, reader.path)
     dtype = SAVE_DTYPES["bf16" if save_format == "hf-fp8" or save_format in MICROSCALED_EXPORTS else save_dtype]
     expected = hf_shapes(config)
-    hf_config = {**hf_llama_config_kwargs(config), **hf_architecture(config),
-                 "torch_dtype": str(dtype).removeprefix("torch.")}
+    hf_config = {**hf_config_fields(config), "torch_dtype": str(dtype).removeprefix("torch.")}
     fp8, microscaled = save_format == "hf-fp8", MICROSCALED_EXPORTS.get(save_format)
     low_precision = fp8 or microscaled is not None
     switched = read_guard_switched(reader.path, reader.index) if low_precision else []  # kept in bf16, as trained

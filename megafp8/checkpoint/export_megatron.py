@@ -86,6 +86,9 @@ def _int_if_whole(value: float) -> int | float:
 
 
 def _check_exportable(config: ModelConfig, path: Path) -> None:
+    if config.num_experts is not None:  # the manifest's MoE flags (convert_hf._config_from_manifest reads them)
+        raise ConversionError(f"{path}: --num-experts {config.num_experts}: the Megatron-LM export writes dense "
+                              "models only (export a MoE model with --save-format hf)")
     if config.use_rope_scaling:
         differ = [f"--{k.replace('_', '-')} {getattr(config, k)}" for k, v in _MEGATRON_ROPE_SCALING.items()
                   if getattr(config, k) != v]

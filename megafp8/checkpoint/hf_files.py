@@ -1,5 +1,6 @@
-"""Hugging Face Llama (and Qwen3) directories on disk: config.json validation, a lazy reader of (sharded) safetensors,
-a streaming writer that shards past a size, and the temporary-directory-then-rename commit conversions use."""
+"""Hugging Face Llama (and Qwen3, Mixtral, Qwen3-MoE) directories on disk: config.json validation, a lazy reader of
+(sharded) safetensors, a streaming writer that shards past a size, and the temporary-directory-then-rename commit
+conversions use."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ from megafp8.checkpoint.atomic import fsync_path, save_dir_error
 from megafp8.checkpoint.errors import CheckpointError
 from megafp8.model.config import ModelConfig
 from megafp8.model.hf_mapping import hf_rope_problems, model_config_from_hf
+from megafp8.model.hf_moe_mapping import FAMILIES as MOE_FAMILIES, hf_moe_problems, moe_fields_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 # config.json fields whose non-default value changes the math in a way megafp8's Llama does not implement.
@@ -69,16 +71,17 @@ def _invalid_sizes(config: Mapping[str, Any]) -> list[str]:
 
 
 def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelConfig:
-    """The ModelConfig of a Llama (or dense Qwen3: --qk-layernorm) config.json; any architecture megafp8 cannot
-    reproduce is a ConversionError."""
-    if config.get("model_type") not in ("llama", "qwen3"):
+    """The ModelConfig of a Llama (or dense Qwen3: --qk-layernorm; or Mixtral / Qwen3-MoE: --num-experts) config.json;
+    any architecture megafp8 cannot reproduce is a ConversionError."""
+    if config.get("model_type") not in ("llama", "qwen3", *MOE_FAMILIES):
         raise ConversionError(f"{source}: model_type {config.get('model_type')!r} is not supported "
-                              "(megafp8 converts Llama checkpoints, model_type 'llama', and dense Qwen3 ones, 'qwen3')")
+                              "(megafp8 converts Llama checkpoints, model_type 'llama', dense Qwen3 ones, 'qwen3', and "
+                              "the MoE families Mixtral, 'mixtral', and Qwen3-MoE, 'qwen3_moe')")
     invalid = _invalid_sizes(config)
     if invalid:
         raise ConversionError(f"{source}: {'; '.join(invalid)}")
     unsupported = dict(_UNSUPPORTED)
-    if config["model_type"] == "qwen3":  # Qwen3 reads sliding_window only under use_sliding_window
+    if config["model_type"] in ("qwen3", "qwen3_moe"):  # Qwen3 reads sliding_window only under use_sliding_window
         unsupported.update(use_sliding_window=(False, None))
         if not config.get("use_sliding_window"):
             del unsupported["sliding_window"]
@@ -93,12 +96,14 @@ def model_config_from_hf_dict(config: Mapping[str, Any], source: str) -> ModelCo
         problems += hf_rope_problems(fields)
     except (TypeError, ValueError) as e:  # e.g. a factor that is not a number
         problems.append(f"rope_scaling/rope_parameters ({type(e).__name__}: {e})")
+    moe = config["model_type"] in MOE_FAMILIES
+    problems += hf_moe_problems(config) if moe else []
     if problems:
         raise ConversionError(f"{source}: unsupported config field(s) {', '.join(problems)}: megafp8's Llama has "
                               "SiLU-gated MLPs, no biases, full attention and RoPE unscaled or with Llama-3.1's "
                               "frequency scaling (rope_type 'llama3')")
     try:
-        return model_config_from_hf(fields)
+        return model_config_from_hf(fields, **(moe_fields_from_hf(config) if moe else {}))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ConversionError(f"{source}: cannot read the architecture ({type(e).__name__}: {e})") from None
 

@@ -1,5 +1,6 @@
-"""megafp8 (TP=1) state dict <-> HF ``LlamaForCausalLM`` state dict (``Qwen3ForCausalLM`` with --qk-layernorm), and
-the matching config fields.
+"""megafp8 (TP=1) state dict <-> HF ``LlamaForCausalLM`` state dict (``Qwen3ForCausalLM`` with --qk-layernorm; with
+--num-experts ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM``, whose MoE layers hf_moe_mapping names), and the
+matching config fields.
 
 ====================================================  ====================================================
 megafp8                                               HF Llama
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from megafp8.model.config import ModelConfig
+from megafp8.model.hf_moe_mapping import FAMILIES, hf_moe_config, moe_family, moe_mlp_sources
 from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.parallel.sharding import resize_vocab_dim
 
@@ -60,8 +62,10 @@ _LAYER_RENAMES = {  # megafp8 suffix -> HF suffix, for the one-to-one tensors of
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+# megafp8 suffix -> the HF suffixes it concatenates along dim 0, for a dense layer's MLP (mlp_sources)
+_DENSE_MLP = {"mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+              "mlp.linear_fc2.weight": ["mlp.down_proj.weight"]}
 _QK_LAYERNORM_RENAMES = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
                          "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}
 NORM_WEIGHTS = ("input_layernorm.weight", "pre_mlp_layernorm.weight", *_QK_LAYERNORM_RENAMES)  # a layer's RMSNorm gains
@@ -72,9 +76,17 @@ def layer_renames(config: ModelConfig) -> dict[str, str]:
     return {**_LAYER_RENAMES, **(_QK_LAYERNORM_RENAMES if config.qk_layernorm else {})}
 
 
+def mlp_sources(config: ModelConfig, layer: int) -> dict[str, list[str]]:
+    """megafp8 suffix -> the HF suffixes it is the concatenation of (dim 0, equal parts), for the MLP of ``layer``:
+    the dense SwiGLU's ``[gate; up]`` and down, or a MoE layer's router and experts."""
+    return moe_mlp_sources(config, layer) if config.is_moe_layer(layer) else _DENSE_MLP
+
+
 def hf_architecture(config: ModelConfig) -> dict[str, Any]:
     """config.json's model_type and architectures: Llama, or Qwen3 (Llama's block with q_norm / k_norm) when
-    --qk-layernorm."""
+    --qk-layernorm (their MoE families with --num-experts)."""
+    if config.num_experts is not None:
+        return {"model_type": moe_family(config), "architectures": [FAMILIES[moe_family(config)].architecture]}
     if config.qk_layernorm:
         return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
@@ -95,8 +107,9 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: ModelConfig
         q, k, v = split_qkv(state_dict[ours + "self_attention.linear_qkv.weight"], config)
         hf[theirs + "self_attn.q_proj.weight"], hf[theirs + "self_attn.k_proj.weight"] = q, k
         hf[theirs + "self_attn.v_proj.weight"] = v
-        gate, up = state_dict[ours + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"] = gate.clone(), up.clone()
+        for src, parts in mlp_sources(config, i).items():
+            for dst, part in zip(parts, state_dict[ours + src].chunk(len(parts), dim=0)):
+                hf[theirs + dst] = part.clone()
     return hf
 
 
@@ -117,9 +130,16 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], config: ModelC
         sd[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf_state_dict[theirs + "self_attn.q_proj.weight"], hf_state_dict[theirs + "self_attn.k_proj.weight"],
             hf_state_dict[theirs + "self_attn.v_proj.weight"], config)
-        sd[ours + "mlp.linear_fc1.weight"] = torch.cat([hf_state_dict[theirs + "mlp.gate_proj.weight"],
-                                                        hf_state_dict[theirs + "mlp.up_proj.weight"]])
+        for src, parts in mlp_sources(config, i).items():
+            sd[ours + src] = torch.cat([hf_state_dict[theirs + part] for part in parts])
     return sd
+
+
+def hf_config_fields(config: ModelConfig) -> dict[str, Any]:
+    """config.json's fields for ``config``: its architecture, and the family's config (Llama, Qwen3, Mixtral or
+    Qwen3-MoE)."""
+    fields = {**hf_llama_config_kwargs(config), **hf_architecture(config)}
+    return hf_moe_config(config, fields) if config.num_experts is not None else fields
 
 
 def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
