@@ -6,16 +6,19 @@ context parallelism: routing is per token, so nothing is gathered)::
     router (fp32)            -> each token's k experts and their weights (megafp8.model.router)
     dispatch                 -> the k T (token, expert) choices sorted by expert, token order kept within an expert;
                                 with --moe-expert-capacity-factor each expert keeps its best `capacity` choices
-                                (--moe-token-drop-policy probs: the highest weights; position: the earliest tokens)
+                                (--moe-token-drop-policy probs: the highest weights; position: the earliest tokens);
+                                under expert parallelism, an all-to-all to the experts' ranks and back
+                                (megafp8.parallel.expert_dispatch; FP8 bytes when the experts run FP8)
     experts                  -> expert e's SwiGLU MLP on its rows, a loop of GEMMs (each an FP8 linear under the
                                 run's recipe, like the dense MLP's)
     combine                  -> each row times its weight, the k rows of a token summed in fp32 in a fixed order
     + shared experts         -> a dense MLP of --moe-shared-expert-intermediate-size on every token
 
-Experts are whole on every rank (expert parallelism is the next step; the mesh's expert view already exists):
-their weights, like the router's, are copies on each TP rank whose gradients are summed over TP under sequence
-parallelism (each TP rank routed different tokens) and averaged over DP x CP like every dense weight. Parameter names
-are Megatron-Core's (``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1.weight``,
+Experts are whole (ETP = 1). Without expert parallelism every rank holds all of them: their weights, like the
+router's, are copies on each TP rank whose gradients are summed over TP under sequence parallelism (each TP rank
+routed different tokens) and averaged over DP x CP like every dense weight. With --expert-model-parallel-size E a
+rank holds E-th of them, and each expert's gradient is summed over its holders (the expert-data-parallel group)
+before the same division by DP x CP (megafp8.parallel.data_parallel). Parameter names are Megatron-Core's (``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1.weight``,
 ``mlp.shared_experts.linear_fc1.weight``), with the global expert index e.
 
 The load-balancing and z losses enter the gradient without a loss term in the pipeline: their gradient is attached
@@ -99,7 +102,7 @@ class MoELayer(nn.Module):
             outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
         else:  # to the experts' ranks and back (megafp8.parallel.expert_dispatch)
             exchange = ExpertExchange(counts, self.ep)
-            local = exchange.dispatch(rows, fp8=self._experts_run_low_precision())
+            local = exchange.dispatch(rows, fp8=self._experts_run_low_precision(planned=True))
             outputs = exchange.combine(self._run_experts(local, None, exchange.local_counts, None))
         weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
         combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
@@ -139,9 +142,13 @@ class MoELayer(nn.Module):
         outputs = torch.cat(outputs)
         return outputs if slots is None else outputs[slots]
 
-    def _experts_run_low_precision(self) -> bool:
+    def _experts_run_low_precision(self, planned: bool = False) -> bool:
+        """Whether this rank's experts run an 8- or 4-bit recipe now; ``planned``: by the precision plan alone (the
+        layer recipes and schedules every rank shares, not the guard's local switches), which the FP8 dispatch's
+        sender and receiver must agree on."""
         fc1 = next(iter(self.experts.local_experts.values())).linear_fc1
-        return resolve_recipe(fc1.recipe, fc1.runs_high_precision) is not None
+        high = fc1.force_high_precision if planned else fc1.runs_high_precision
+        return resolve_recipe(fc1.recipe, high) is not None
 
     def _accumulate(self, losses: dict[str, torch.Tensor]) -> None:
         """Add this forward's router statistics to ``stats`` (a forward recomputed in backward adds nothing)."""
