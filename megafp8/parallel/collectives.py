@@ -63,12 +63,19 @@ class CommCounters:
     def __init__(self) -> None:
         self._bytes = dict.fromkeys(COMM_KINDS, 0)
         self._calls = dict.fromkeys(COMM_KINDS, 0)
+        # Never reset, for the hang watchdog (megafp8.training.hang_watchdog): collectives entered per group (global
+        # ranks; () for point-to-point) and the last one entered.
+        self.entered: dict[tuple[int, ...], int] = {}
+        self.last_entered: dict | None = None
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, ranks: tuple[int, ...] = ()) -> None:
+        """Charge a collective this rank enters now; ``ranks``: its group's global ranks."""
         if kind not in self._bytes:
             raise KeyError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}")
         self._bytes[kind] += int(nbytes)
         self._calls[kind] += 1
+        number = self.entered[ranks] = self.entered.get(ranks, 0) + 1
+        self.last_entered = dict(kind=kind, ranks=list(ranks), bytes=int(nbytes), number=number)
 
     def __getitem__(self, kind: str) -> int:
         return self._bytes[kind]
@@ -152,7 +159,7 @@ def all_gather_into_tensor_async(output: torch.Tensor, input_: torch.Tensor, han
     if handle.size == 1:
         output.copy_(input_.reshape(output.shape))
         return PendingCollective(output)
-    handle.counters.add(kind, _nbytes(input_) * (handle.size - 1))
+    handle.counters.add(kind, _nbytes(input_) * (handle.size - 1), handle.ranks)
     work = _all_gather_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
                               async_op=True)
     return PendingCollective(output, work)
@@ -220,7 +227,7 @@ def reduce_scatter_tensor_async(output: torch.Tensor, input_: torch.Tensor, hand
     if handle.size == 1:
         output.copy_(input_.reshape(output.shape))
         return PendingCollective(output)
-    handle.counters.add(kind, _nbytes(output) * (handle.size - 1))
+    handle.counters.add(kind, _nbytes(output) * (handle.size - 1), handle.ranks)
     work = _reduce_scatter_single(output, input_.detach().contiguous(), op=dist.ReduceOp.SUM, group=handle.group,
                                   async_op=True)
     return PendingCollective(output, work)
@@ -250,7 +257,7 @@ def all_reduce_async(tensor: torch.Tensor, handle: GroupHandle, kind: str,
     """In-place all-reduce of ``tensor``, in flight until ``wait()`` (which returns it)."""
     if handle.size == 1:
         return PendingCollective(tensor)
-    handle.counters.add(kind, 2 * _nbytes(tensor) * (handle.size - 1) // handle.size)
+    handle.counters.add(kind, 2 * _nbytes(tensor) * (handle.size - 1) // handle.size, handle.ranks)
     return PendingCollective(tensor, dist.all_reduce(tensor, op=op, group=handle.group, async_op=True))
 
 
@@ -270,7 +277,7 @@ def all_to_all_single_async(output: torch.Tensor, input_: torch.Tensor, handle: 
     if handle.size == 1:
         output.copy_(input_)
         return PendingCollective(output)
-    handle.counters.add(kind, _nbytes(input_) // handle.size * (handle.size - 1))
+    handle.counters.add(kind, _nbytes(input_) // handle.size * (handle.size - 1), handle.ranks)
     work = dist.all_to_all_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
                                   async_op=True)
     return PendingCollective(output, work)
@@ -284,7 +291,7 @@ def all_to_all_uneven(input_: torch.Tensor, output_splits: list[int], input_spli
     if handle.size == 1:
         return output.copy_(input_)
     row = input_.element_size() * math.prod(input_.shape[1:])
-    handle.counters.add(kind, row * (sum(input_splits) - input_splits[handle.rank]))
+    handle.counters.add(kind, row * (sum(input_splits) - input_splits[handle.rank]), handle.ranks)
     dist.all_to_all_single(_wire_view(output), _wire_view(input_.detach().contiguous()), output_splits, input_splits,
                            group=handle.group)
     return output

@@ -69,7 +69,7 @@ def all_to_all_rows_async(x: QuantizedTensor, input_splits: list[int], output_sp
     if handle.size == 1:
         return PendingCollective(received.copy_(packed), finish=unpack)
     sent = sum(n for member, n in enumerate(input_splits) if member != handle.rank)
-    handle.counters.add(kind, sent * row_bytes)
+    handle.counters.add(kind, sent * row_bytes, handle.ranks)
     work = dist.all_to_all_single(received, packed.contiguous(), output_split_sizes=output_splits,
                                   input_split_sizes=input_splits, group=handle.group, async_op=True)
     return PendingCollective(received, work, finish=unpack)

@@ -64,7 +64,7 @@ class _Ring:
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.handle.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.handle.group, tag)]
-        self.handle.counters.add(_KIND, send.numel() * send.element_size())
+        self.handle.counters.add(_KIND, send.numel() * send.element_size(), self.handle.ranks)
         return _InFlight(recv, dist.batch_isend_irecv(ops), send)
 
 

@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None, help="the N of --recompute-method")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="every collective and pipeline send/receive fails after this long instead of hanging")
+    g.add_argument("--hang-timeout-minutes", type=float, default=None,
+                   help="an iteration (or save, or evaluation) running longer than this writes every rank's stacks "
+                        "and collectives under --log-dir and names the ranks the others wait on (default 5 on GPUs, "
+                        "off on CPU; 0: off); must be below --distributed-timeout-minutes")
 
     g = p.add_argument_group("precision and FP8")
     g.add_argument("--bf16", action="store_true",
@@ -423,6 +427,12 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers, ep=args.expert_model_parallel_size,
             etp=expert_tensor_parallel_size(args))
+    hang = hang_timeout_minutes(args)
+    if args.hang_timeout_minutes is not None and args.hang_timeout_minutes < 0:
+        errors.append(f"--hang-timeout-minutes must be >= 0 (0: off), got {args.hang_timeout_minutes}")
+    elif hang and args.distributed_timeout_minutes and hang >= args.distributed_timeout_minutes:
+        errors.append(f"--hang-timeout-minutes ({hang:g}) must be below --distributed-timeout-minutes "
+                      f"({args.distributed_timeout_minutes}): the watchdog reports before the collectives time out")
     if args.train_iters is None and args.train_samples is None:
         errors.append("give the training length: --train-iters or --train-samples")
     elif args.train_iters is not None and args.train_samples != args.train_iters * args.global_batch_size:
@@ -529,3 +539,13 @@ def optional_package_errors(args: argparse.Namespace) -> list[str]:
     return [f"{flag} needs the {package} package, which is not installed: pip install {pip_name}"
             for dest, (flag, package, pip_name) in OPTIONAL_PACKAGES.items()
             if getattr(args, dest) is not None and importlib.util.find_spec(package) is None]
+
+
+def hang_timeout_minutes(args: argparse.Namespace) -> float:
+    """--hang-timeout-minutes, or its default: on a GPU machine 5 minutes (half of --distributed-timeout-minutes if
+    that is shorter), off on CPU (0)."""
+    if args.hang_timeout_minutes is not None:
+        return args.hang_timeout_minutes
+    import torch
+
+    return min(5.0, args.distributed_timeout_minutes / 2) if torch.cuda.is_available() else 0.0

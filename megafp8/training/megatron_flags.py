@@ -30,6 +30,8 @@ MEGAFP8_ONLY = frozenset({
     "--allow-static-fp8-without-unit-scaling", "--fp8-static-grad-scale",
     # Megatron-LM dropped its --fp8-dot-product-attention (TransformerEngine reads NVTE_FP8_DPA now); the name stays.
     "--fp8-dot-product-attention",
+    # NVIDIA Resiliency Extension's idea as a flag: the hang watchdog (megafp8/training/hang_watchdog.py).
+    "--hang-timeout-minutes",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).
@@ -58,6 +60,7 @@ REFUSED_VALUES = {
 # Megatron flags whose megafp8 default differs, and why that cannot change a Megatron script's math: Megatron
 # has no usable default there (the script must give it), or the flag does not touch the math.
 DEFAULTS_THAT_DIFFER = {
+    "--moe-token-dispatcher-type": "megafp8 has the alltoall dispatcher only (Megatron-LM defaults to allgather)",
     "--num-layers": "Megatron-LM requires it; megafp8's default is a tiny model for smoke runs",
     "--hidden-size": "Megatron-LM requires it",
     "--num-attention-heads": "Megatron-LM requires it",

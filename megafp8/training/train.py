@@ -47,7 +47,9 @@ from megafp8.parallel import collectives as C
 from megafp8.parallel.context_parallel import split_for_context_parallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
+from megafp8.training.arguments import hang_timeout_minutes
 from megafp8.training.flops import flops_per_iteration, moe_flops_args
+from megafp8.training.hang_watchdog import HangWatchdog, InjectedStall
 from megafp8.training.profiling import IterationProfiler
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
 
@@ -196,6 +198,8 @@ class Trainer:
         self.peak = device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         self.profiler = IterationProfiler(args, ps.rank)
         self.has_moe = has_moe(pipeline.chunks)
+        self.injected_stall = InjectedStall.from_env()
+        self.watchdog: HangWatchdog | None = None
 
     # ---- one iteration ----------------------------------------------------------------------
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +245,8 @@ class Trainer:
                 print(f" precision schedule: {self.precision_schedule.describe()}", flush=True)
         if self.rounds_stochastically:  # keys of (seed, iteration, rank, layer): a resumed run draws the same bits
             begin_rounding_iteration(self.pipeline.chunks, self.args.seed, self.progress.iteration + 1, self.ps.rank)
+        if self.injected_stall is not None:  # the hang watchdog's test hook: this rank stalls here
+            self.injected_stall.maybe_sleep(self.ps.rank, self.progress.iteration + 1)
         inputs, labels = self._global_batch(self.train_batches)
         loss_mask = self.loss_mask(labels)
         for hook, layer in self.test_hooks:
@@ -306,8 +312,13 @@ class Trainer:
         if args.manual_gc:  # Megatron's --manual-gc: no collector pauses at random steps on random ranks
             gc.disable()
             gc.collect()
+        hang_minutes = hang_timeout_minutes(args)
+        if hang_minutes:
+            self.watchdog = HangWatchdog(60 * hang_minutes, args.log_dir or ".", self.ps.rank, self.ps.world_size,
+                                         self.ps.comm, dataclasses.asdict(self.ps.coords))
         try:
             while p.iteration < self.train_iters:
+                self._beat(p.iteration + 1, "iteration")
                 telemetry = args.log_fp8_telemetry and (p.iteration + 1) % args.log_interval == 0
                 if self.recipe is not None:  # the saturation guard reads telemetry every step
                     enable_fp8_telemetry(self.ddp.module, self.guard is not None or telemetry)
@@ -341,12 +352,14 @@ class Trainer:
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
+                    self._beat(p.iteration, "evaluation")
                     self._evaluate_and_log()
                 stop_now = (self._stop_decision_due() and self._must_stop(stop, start_time)) or (
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
                     self._read_counters()
+                    self._beat(p.iteration, "save")
                     self.checkpointer.save(self)
                     self._collect_after_save()
                 if args.manual_gc and args.manual_gc_interval and p.iteration % args.manual_gc_interval == 0:
@@ -360,6 +373,8 @@ class Trainer:
                     self._collect_after_save()
             self._log_guard_switches()  # those after the last logged iteration
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             self.profiler.finish(p.iteration)  # a run that ended or stopped inside the window
             stop.restore()
             self.log.close()
@@ -367,6 +382,11 @@ class Trainer:
                 gc.enable()
         self._read_counters()
         return p
+
+    def _beat(self, iteration: int, phase: str) -> None:
+        """A phase starts: the hang watchdog (--hang-timeout-minutes) times it."""
+        if self.watchdog is not None:
+            self.watchdog.beat(iteration, phase)
 
     def _evaluate_and_log(self) -> None:
         """Evaluate; under --manual-gc collect before it and the young generation after it, as Megatron does
