@@ -251,23 +251,18 @@ def expert_loads(run: Run) -> dict[str, tuple[list[int], np.ndarray]]:
 
 
 def _expert_load_section(runs: list[Run], output: Path) -> list[str]:
-    """The MoE runs' expert loads: a heatmap per run (a panel per MoE layer) and the max/mean table."""
+    """The MoE runs' expert loads: the max/mean table, then a heatmap per run (a panel per MoE layer)."""
     import matplotlib.pyplot as plt
 
-    lines = []
+    rows, images = [], []
     for run in runs:
         loads = expert_loads(run)
         if not loads:
             continue
-        if not lines:
-            lines = ["## Expert load", "", "Tokens each expert received over the balanced share (1 = fair), per logged "
-                     "window; max/mean over the run's last logged window.", "",
-                     "| run | layer | max/mean load (last) | max/mean load (mean over the run) | moe aux loss (last) |",
-                     "|---|---|---|---|---|"]
         aux = run.train[-1].get("moe_aux_loss")
         for layer, (_, share) in loads.items():
-            lines.append(f"| {run.name} | {layer} | {share[:, -1].max():.3f} | {share.max(axis=0).mean():.3f} | "
-                         f"{'-' if aux is None else f'{aux:.4f}'} |")
+            rows.append(f"| {run.name} | {layer} | {share[:, -1].max():.3f} | {share.max(axis=0).mean():.3f} | "
+                        f"{'-' if aux is None else f'{aux:.4f}'} |")
         fig, axes = plt.subplots(1, len(loads), figsize=(3.2 * len(loads), 2.8), squeeze=False)
         for ax, (layer, (steps, share)) in zip(axes[0], loads.items()):
             image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="magma", vmin=0,
@@ -281,9 +276,13 @@ def _expert_load_section(runs: list[Run], output: Path) -> list[str]:
         name = f"expert_load_{run.name}.png"
         fig.savefig(output / name, dpi=80)
         plt.close(fig)
-        lines.append("")
-        lines += [f"![expert load {run.name}]({name})", ""]
-    return lines + ([""] if lines else [])
+        images += [f"![expert load {run.name}]({name})", ""]
+    if not rows:
+        return []
+    return ["## Expert load", "", "Tokens each expert received over the balanced share (1 = fair) in each logged "
+            "window: the largest share in the run's last window, and the largest share averaged over the windows.", "",
+            "| run | layer | max/mean load (last) | max/mean load (mean over the run) | moe aux loss (last) |",
+            "|---|---|---|---|---|", *rows, "", *images]
 
 
 def verdict(run: Run, baseline: Run, gap: float, band: float) -> str:
