@@ -5,6 +5,7 @@ bit-exact and load at another layout."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,6 +118,30 @@ def test_blockwise_fp8_experts_under_ep4_with_fp8_dispatch_equal_ep1_and_stay_wi
     for a, e in zip(ep4, fp32):
         assert abs(a["lm_loss"] - e["lm_loss"]) <= 0.01 * e["lm_loss"], (a, e)
     assert any(a["lm_loss"] != e["lm_loss"] for a, e in zip(ep4, fp32))
+
+
+@pytest.mark.distributed
+def test_delayed_fp8_experts_under_ep2_reduce_their_amaxes_and_saturation_over_their_holders(single_process):
+    """Each expert's delayed-scaling amaxes and saturation are max-reduced over the ranks holding it: EP2 tracks
+    EP1's delayed FP8 run, and an expert forced to overflow (MEGAFP8_FORCE_FP8_OVERFLOW) on the ranks holding it is
+    switched to high precision there, its switch logged once by rank 0, which does not hold it."""
+    tmp_path, reference = single_process
+    delayed = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    ep1 = _train(tmp_path, "delayed-ep1", 1, *delayed)
+    ep2 = _train(tmp_path, "delayed-ep2", 2, *delayed, "--expert-model-parallel-size", "2", *ZERO)
+    for a, e, r in zip(ep2, ep1, reference):
+        assert abs(a["lm_loss"] - e["lm_loss"]) <= 2e-3 * e["lm_loss"], (a, e)  # the FP8 dispatch's extra rounding
+        assert abs(a["lm_loss"] - r["lm_loss"]) <= 0.01 * r["lm_loss"], (a, r)
+    os.environ["MEGAFP8_FORCE_FP8_OVERFLOW"] = "layers.2.mlp.experts.local_experts.3.linear_fc2@1"
+    try:
+        log = _train(tmp_path, "delayed-ep2-overflow", 2, *delayed, "--expert-model-parallel-size", "2", *ZERO)
+    finally:
+        del os.environ["MEGAFP8_FORCE_FP8_OVERFLOW"]
+    switches = [json.loads(line) for line in (tmp_path / "delayed-ep2-overflow" / "metrics.jsonl").read_text()
+                .splitlines() if "fp8_guard_switch" in line]
+    assert [(s["iteration"], s["fp8_guard_switch"]) for s in switches] == [
+        (3, "layers.2.mlp.experts.local_experts.3.linear_fc2")]
+    assert len(log) == 4 and all(math.isfinite(r["lm_loss"]) for r in log)
 
 
 @pytest.mark.distributed

@@ -248,6 +248,9 @@ class Fp8ScalingManager:
     amax_group:     the process group the amaxes are max-reduced over: the TP x DP group of this pipeline
                     stage (megafp8.parallel.fp8_sequence_parallel.fp8_scaling_manager passes it). Required;
                     None only when the run is a single process.
+    expert_group:   the group the amaxes of expert-parallel experts' states (below a module the MoE layer marks
+                    ``expert_parallel``) are max-reduced over instead: the ranks holding the same experts (ETP x EDP). Their
+                    states sit after the others in the flat buffers, so each group reduces one contiguous slice.
     all_reduce_max: optional callable(tensor, group) doing an in-place MAX all-reduce; the parallel
                     layer passes its byte-counting collective here. Defaults to torch.distributed.
 
@@ -258,9 +261,10 @@ class Fp8ScalingManager:
     """
 
     def __init__(self, model: nn.Module, amax_group,
-                 all_reduce_max: Callable[[torch.Tensor, object], None] | None = None):
+                 all_reduce_max: Callable[[torch.Tensor, object], None] | None = None, expert_group=None):
         self.model = model
-        self.amax_group = amax_group
+        self.amax_group, self.expert_group = amax_group, expert_group
+        self._num_expert_states = 0
         self.all_reduce_max = all_reduce_max or _dist_all_reduce_max
         self._clock = UpdateClock()
         self._flat: FlatScalingBuffers | None = None
@@ -279,6 +283,12 @@ class Fp8ScalingManager:
         stale = self._flat is not None and self._flat.stale
         if stale or self._built_for_layout != ScalingState.layout_version:  # O(1) on the hot path
             states = [m for m in self.model.modules() if isinstance(m, ScalingState)]
+            # A state belongs to an expert when a module above it is marked (its states are made later, with a recipe).
+            in_experts = {id(s) for m in self.model.modules() if getattr(m, "expert_parallel", False)
+                          for s in m.modules() if isinstance(s, ScalingState)}
+            experts = [s for s in states if id(s) in in_experts]
+            states = [s for s in states if id(s) not in in_experts] + experts
+            self._num_expert_states = len(experts)
             self._flat = FlatScalingBuffers(states, self._clock) if states else None
             self._built_for_layout = ScalingState.layout_version
         return self._flat
@@ -320,8 +330,13 @@ class Fp8ScalingManager:
         if flat is not None:
             if self.amax_group is None:
                 self._require_group()
-            else:
+            elif self._num_expert_states == 0:
                 self.all_reduce_max(flat.pending, self.amax_group)
+            else:  # the dense states over the stage, the experts' over their holders: two contiguous slices
+                dense = len(flat.states) - self._num_expert_states
+                if dense:
+                    self.all_reduce_max(flat.pending[:dense], self.amax_group)
+                self.all_reduce_max(flat.pending[dense:], self.expert_group)
             flat.update()
         self._clock.updates += 1
 

@@ -173,6 +173,9 @@ class SaturationGuard:
 
     all_reduce_max: in-place MAX over the ranks that share the layers (the TP x DP group). Every rank must
     take the same decision, or ranks would disagree on the precision (and the collectives) of a layer.
+    expert_all_reduce_max: the same over the ranks holding the same experts, for the layers of expert-parallel
+    experts (marked ``expert_parallel`` by the MoE layer; checked after the others): each expert's holders agree,
+    ranks holding other experts decide on theirs.
     state_dict() / load_state_dict(state, model) carry the strikes and the switched layers, so a resumed
     run keeps its switches (the model's own state dict stays free of it, and so HF-convertible).
     """
@@ -182,12 +185,12 @@ class SaturationGuard:
     # cost a layer its FP8 for the rest of the run; persistent saturation above 1% is a real problem.
     def __init__(self, threshold: float = 1e-2, patience: int = 3,
                  all_reduce_max: Callable[[torch.Tensor], None] | None = None, read_interval: int = 1,
-                 switch_lag: int = 0):
+                 switch_lag: int = 0, expert_all_reduce_max: Callable[[torch.Tensor], None] | None = None):
         if not 0 <= threshold < 1 or patience < 1 or read_interval < 1 or switch_lag < 0:
             raise ValueError("saturation guard needs 0 <= threshold < 1, patience >= 1, read_interval >= 1 and "
                              f"switch_lag >= 0, got {threshold}, {patience}, {read_interval}, {switch_lag}")
         self.threshold, self.patience, self.read_interval, self.switch_lag = threshold, patience, read_interval, switch_lag
-        self.all_reduce_max = all_reduce_max
+        self.all_reduce_max, self.expert_all_reduce_max = all_reduce_max, expert_all_reduce_max
         self.strikes: dict[str, int] = {}
         self.switched: set[str] = set()
         self.demotions: dict[str, int] = {}  # steps down its ladder per switched layer (FP4 -> FP8 -> BF16: up to 2)
@@ -247,12 +250,15 @@ class SaturationGuard:
     def _checked(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[int, Fp8TensorStats]]]:
         """The layers still in FP8 with statistics, and (layer index, stats) of each of their tensors."""
         layers = [(name, module) for name, module in model.named_modules()
-                  if getattr(module, "fp8_telemetry", None) and not module.runs_high_precision
-                  and not getattr(module, "unguarded", False)]
+                  if getattr(module, "fp8_telemetry", None) and not module.runs_high_precision]
+        # Expert-parallel experts last: their saturation reduces over their holders (expert_all_reduce_max).
+        layers = ([(n, m) for n, m in layers if not getattr(m, "expert_parallel", False)]
+                  + [(n, m) for n, m in layers if getattr(m, "expert_parallel", False)])
         return layers, [(i, s) for i, (_, module) in enumerate(layers) for s in module.fp8_telemetry.values()]
 
     def _start(self, layers: list[tuple[str, nn.Module]], stats: list) -> None:
         self._layers, self._device, self._numels, self._unread = layers, {}, None, False
+        self._num_expert_layers = sum(bool(getattr(m, "expert_parallel", False)) for _, m in layers)
         self._structure = ([n for n, _ in layers], [i for i, _ in stats])
         device = stats[0][1].counts.device if stats else torch.device("cpu")
         self._flags = _LaggedFlags(self.switch_lag, device)  # pending flags belong to the previous layer set
@@ -272,7 +278,12 @@ class SaturationGuard:
         d = self._device
         fractions = counts[:, 0] / d["numels"]  # float32, as telemetry reports it
         worst = fractions.new_zeros(len(self._layers)).scatter_reduce_(0, d["layer_of_stat"], fractions, "amax")
-        if self.all_reduce_max is not None:
+        if self.all_reduce_max is not None and self._num_expert_layers:  # dense over the stage, experts over holders
+            dense = len(self._layers) - self._num_expert_layers
+            if dense:
+                self.all_reduce_max(worst[:dense])
+            self.expert_all_reduce_max(worst[dense:])
+        elif self.all_reduce_max is not None:
             self.all_reduce_max(worst)
         # Compared in fp64 with the threshold, as the float32 fraction read to a Python float was.
         strikes = torch.where(worst.double() > self.threshold, d["strikes"] + 1, 0)

@@ -76,9 +76,9 @@ class MoELayer(nn.Module):
                 param.sequence_parallel = parallel_state.sequence_parallel
             else:  # its holders (the expert-data-parallel group) together saw every token routed to it
                 param.placement = Placement(grad_sync_group="edp")
-        if self.ep.size > 1:  # the saturation guard's MAX over the stage would mix different experts: not guarded
+        if self.ep.size > 1:  # their FP8 amaxes and saturation reduce over the expert's holders, not the stage
             for module in self.experts.modules():
-                module.unguarded = True
+                module.expert_parallel = True
         self.aux_loss_scale: float | torch.Tensor = 1.0  # this micro-batch's share of the step: set_aux_loss_scale
         self.stats: dict[str, torch.Tensor] | None = None  # accumulated router statistics (megafp8.model.moe_stats)
         if self.router.enable_expert_bias:  # the step's loads, for the bias update (not checkpointed: reset each step)

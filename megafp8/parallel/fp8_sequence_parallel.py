@@ -60,4 +60,5 @@ def fp8_scaling_manager(model: nn.Module, parallel_state: ParallelState) -> Fp8S
     def all_reduce_max(tensor: torch.Tensor, group: GroupHandle) -> None:
         C.all_reduce(tensor, group, "amax_reduce", op=dist.ReduceOp.MAX)
 
-    return Fp8ScalingManager(model, parallel_state.amax_group, all_reduce_max=all_reduce_max)
+    return Fp8ScalingManager(model, parallel_state.amax_group, all_reduce_max=all_reduce_max,
+                             expert_group=parallel_state.group("expert_amax"))

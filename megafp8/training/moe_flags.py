@@ -85,13 +85,11 @@ def moe_flag_errors(args: argparse.Namespace) -> list[str]:
         if not args.use_distributed_optimizer:
             errors.append("--expert-model-parallel-size > 1 needs --use-distributed-optimizer (the ZeRO optimizer "
                           "shards the experts over their expert-data-parallel group)")
-        delayed = args.fp8_format is not None and args.fp8_recipe == "delayed" and args.fp4 is None
-        for flag, on in (("--fp8-recipe delayed", delayed), ("--fp8-param-gather", args.fp8_param_gather),
+        for flag, on in (("--fp8-param-gather", args.fp8_param_gather),
                          ("--fp8-grad-reduce", args.fp8_grad_reduce), ("--fp4-param-gather", args.fp4_param_gather)):
             if on:
-                errors.append(f"--expert-model-parallel-size > 1 with {flag}: not built yet (the experts' scaling "
-                              "state and FP8 shards would have to reduce over the expert-data-parallel group); use a "
-                              "current-scaling recipe such as --fp8-recipe blockwise")
+                errors.append(f"--expert-model-parallel-size > 1 with {flag}: not built yet (the experts' FP8 "
+                              "shards would have to be cast and reduced over their expert-data-parallel group)")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         errors.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
                       "rule: each TP rank routes its own slice of the sequence)")

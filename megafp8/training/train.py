@@ -155,8 +155,11 @@ def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, pat
     `switch_lag` iterations after it (a lagged non-blocking flag, see SaturationGuard)."""
     def all_reduce_max(tensor: torch.Tensor) -> None:
         C.all_reduce(tensor, parallel_state.amax_group, "amax_reduce", op=dist.ReduceOp.MAX)
+
+    def expert_all_reduce_max(tensor: torch.Tensor) -> None:  # expert parallelism: over each expert's holders
+        C.all_reduce(tensor, parallel_state.group("expert_amax"), "amax_reduce", op=dist.ReduceOp.MAX)
     return SaturationGuard(threshold, patience, all_reduce_max=all_reduce_max, read_interval=read_interval,
-                           switch_lag=switch_lag)
+                           switch_lag=switch_lag, expert_all_reduce_max=expert_all_reduce_max)
 
 
 class Trainer:
@@ -183,6 +186,8 @@ class Trainer:
         self.log = TrainingLog(args.log_dir, args.tensorboard_dir) if self.is_logging_rank else TrainingLog()
         # Each pipeline stage's first TP/CP/DP rank speaks for the saturation guard's switches of its layers.
         self.is_stage_lead = ps.coords.tp == 0 and ps.coords.cp == 0 and ps.coords.dp == 0
+        # Under expert parallelism an expert's first holder speaks for the guard's switches of its experts.
+        self.is_expert_lead = ps.ep_size > 1 and ps.group("expert_amax").rank == 0
         self.test_hooks = self._test_hooks()  # [(hook, its layer on this rank or None)]
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
@@ -282,7 +287,8 @@ class Trainer:
             torch.cuda.empty_cache()
         if self.guard is not None:
             for message in self.guard.check(self.ddp.module, self.progress.iteration + 1):
-                if self.is_stage_lead:
+                expert = ".local_experts." in message
+                if (self.is_stage_lead and not (expert and self.ps.ep_size > 1)) or (expert and self.is_expert_lead):
                     print(f" {message}", flush=True)
         return result
 
@@ -471,7 +477,12 @@ class Trainer:
         if self.guard is None:
             return
         events = self.guard.take_events()
-        if self.ps.pp_size > 1:
+        if self.ps.ep_size > 1:  # experts switch on their holders only: every rank's, each switch once
+            gathered = [None] * self.ps.world_size
+            dist.all_gather_object(gathered, events)
+            unique = {(e["iteration"], e["layer"]): e for rank in gathered for e in rank}
+            events = [unique[key] for key in sorted(unique)]
+        elif self.ps.pp_size > 1:
             gathered: list = [None] * self.ps.pp_size
             dist.all_gather_object(gathered, events, group=self.ps.pp_group.group)
             events = sorted((e for stage in gathered for e in stage), key=lambda e: (e["iteration"], e["layer"]))
