@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -127,32 +128,53 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
     ``writer_options``: extra ``dcp.FileSystemWriter`` arguments (the converter passes
     ``per_thread_copy_ahead=0`` so DCP asks for one tensor at a time and writes it before the next).
     Returns the committed directory. Raises CheckpointError (on every rank) if any rank fails."""
+    state = run_agreed(lambda: checkpoint_state(model, parallel_state, optimizer_state, extra, rng_tracker,
+                                                saturation_guard, model_overrides),
+                       f"preparing checkpoint {atomic.iteration_dir(Path(save_dir), iteration)}")
+    return write_checkpoint(state, save_dir, iteration, parallel_state=parallel_state, args=args,
+                            consumed_samples=consumed_samples, keep_last=keep_last, writer_options=writer_options)
+
+
+def checkpoint_state(model: Models, parallel_state: ParallelState, optimizer_state: Mapping[str, Any] | None = None,
+                     extra: Mapping[str, Any] | None = None, rng_tracker: Any | None = None,
+                     saturation_guard: Any | None = None,
+                     model_overrides: Mapping[str, ShardedChunks] | None = None) -> dict[str, Any]:
+    """What a checkpoint holds, as DCP's state dict of views of the live state (no collective, no copy)."""
+    rank = world()[0]
+    state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state, overrides=model_overrides),
+                             "rng": {_rank_key(rank): _to_bytes(capture_rng_state(rng_tracker), "RNG state")},
+                             "extra": _to_bytes(dict(extra or {}), "extra")}
+    if optimizer_state is not None:
+        state["optimizer"] = optimizer_state
+    if saturation_guard is not None:
+        state["fp8_guard"] = {_rank_key(rank): _to_bytes(saturation_guard.state_dict(), "saturation guard state")}
+    return state
+
+
+def write_checkpoint(state: dict[str, Any], save_dir: str | Path, iteration: int, *, parallel_state: ParallelState,
+                     args: argparse.Namespace | Mapping[str, Any] | None = None, consumed_samples: int = 0,
+                     keep_last: int | None = None, writer_options: Mapping[str, Any] | None = None,
+                     group: dist.ProcessGroup | None = None) -> Path:
+    """Write ``state`` (checkpoint_state's, or a staged copy of it) as ``save_checkpoint`` does; every collective goes
+    over ``group`` (None: the default group; an asynchronous save's thread passes the checkpoint gloo group)."""
     if iteration < 0:
         raise CheckpointError(f"save_checkpoint: iteration must be >= 0, got {iteration}")
     root = Path(save_dir)
-    rank, size = world()
-    token = broadcast_object(uuid.uuid4().hex if rank == 0 else None)  # one temporary directory for all ranks
+    rank, size = world(group)
+    token = broadcast_object(uuid.uuid4().hex if rank == 0 else None, group=group)  # one temporary dir for all ranks
     tmp, final = atomic.temporary_dir(root, iteration, token), atomic.iteration_dir(root, iteration)
 
-    def prepare() -> dict[str, Any]:
+    def prepare() -> None:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             atomic.remove_stale_temporaries(root)
             tmp.mkdir()
-        state: dict[str, Any] = {"model": model_checkpoint_state(model, parallel_state, overrides=model_overrides),
-                                 "rng": {_rank_key(rank): _to_bytes(capture_rng_state(rng_tracker), "RNG state")},
-                                 "extra": _to_bytes(dict(extra or {}), "extra")}
-        if optimizer_state is not None:
-            state["optimizer"] = optimizer_state
-        if saturation_guard is not None:
-            state["fp8_guard"] = {_rank_key(rank): _to_bytes(saturation_guard.state_dict(), "saturation guard state")}
-        return state
 
-    state = run_agreed(prepare, f"preparing checkpoint {final}")
+    run_agreed(prepare, f"preparing checkpoint {final}", group)
     try:
         with _single_process_quiet():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, **(writer_options or {})), planner=ShardedSavePlanner(),
-                     no_dist=size == 1)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, **(writer_options or {})),
+                     planner=ShardedSavePlanner(), process_group=group, no_dist=size == 1)
     except (Exception, dcp.CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
         raise CheckpointError(f"writing checkpoint {final} failed: {_summarize(e)}") from None
 
@@ -160,7 +182,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         return {name: digest_file(tmp / name) for name in names[rank::size]}
 
-    digests = all_gather_object(run_agreed(digest_share, f"checksumming {tmp}"))
+    digests = all_gather_object(run_agreed(digest_share, f"checksumming {tmp}", group), group)
 
     def commit() -> None:
         if rank != 0:
@@ -176,7 +198,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, *, model: Models, para
         if keep_last is not None:
             atomic.prune_checkpoints(root, keep_last, protect=iteration)
 
-    run_agreed(commit, f"committing checkpoint {final}")
+    run_agreed(commit, f"committing checkpoint {final}", group)
     return final
 
 

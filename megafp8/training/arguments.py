@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "from iteration 0 and says so, so --load and --save may name the same directory")
     g.add_argument("--save-interval", type=int, default=None, help="save every this many iterations")
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints")
+    g.add_argument("--async-save", action="store_true",
+                   help="the saving step only copies the state to host memory; a background thread writes and "
+                        "commits it while training goes on (docs/checkpoints.md)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the weights: iteration 0, a fresh optimizer, data from the start, and "
                         "math-changing flags may differ")

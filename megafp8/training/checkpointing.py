@@ -5,17 +5,23 @@ A checkpoint holds everything a bit-exact resume needs: the model chunks (with F
 scales), the ZeRO optimizer's shards (master weights, moments, codec scales), the saturation guard's
 switches, every RNG state, the data position (consumed samples) and the progress counters, --fp16's loss scale
 (with the optimizer: --no-load-optim and --finetune start from --initial-loss-scale, as Megatron-LM), and the
-flags. Saved at one TP/PP/DP layout it loads at any other (see docs/checkpoints.md).
+flags. Saved at one TP/PP/DP layout it loads at any other (see docs/checkpoints.md). With --async-save the step
+only copies that state to host memory and a background thread writes it (megafp8.checkpoint.async_save).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from megafp8.checkpoint import (distributed_optimizer_state, distributed_optimizer_template, load_checkpoint,
                                 param_flat_range_state, save_checkpoint)
+from megafp8.checkpoint.async_save import AsyncCheckpointWriter
+from megafp8.checkpoint.coordination import run_agreed
+from megafp8.checkpoint.save_load import checkpoint_state
 from megafp8.parallel.parallel_state import ParallelState
 
 
@@ -24,6 +30,7 @@ class Checkpointer:
 
     def __init__(self, args: argparse.Namespace, parallel_state: ParallelState, pipeline, optimizer, guard=None):
         self.args, self.ps, self.pipeline, self.optimizer, self.guard = args, parallel_state, pipeline, optimizer, guard
+        self.async_writer = AsyncCheckpointWriter(_writer_group(args)) if getattr(args, "async_save", False) else None
 
     @property
     def chunks(self):
@@ -65,15 +72,35 @@ class Checkpointer:
         # --overlap-param-gather defers the gather after the step to the next forward: finish it, or the
         # shards this rank does not own would be saved one step stale.
         self.optimizer.ddp.finish_param_sync()
-        path = save_checkpoint(
-            self.args.save, progress.iteration, model=self.chunks, parallel_state=self.ps,
-            optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
-            extra={"progress": asdict(progress), **self._loss_scaler_state()}, args=self.args,
-            consumed_samples=progress.consumed_samples,
-            rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, keep_last=self.args.keep_last,
-            model_overrides=self._overrides(self._released_weights()))
-        if trainer.is_logging_rank:
-            print(f" saved checkpoint at iteration {progress.iteration} to {path}", flush=True)
+        state = dict(parallel_state=self.ps,
+                     optimizer_state=distributed_optimizer_state(self.optimizer, self.chunks, self.ps),
+                     extra={"progress": asdict(progress), **self._loss_scaler_state()},
+                     rng_tracker=self.chunks[0].rng, saturation_guard=self.guard,
+                     model_overrides=self._overrides(self._released_weights()))
+        write = dict(args=self.args, consumed_samples=progress.consumed_samples, keep_last=self.args.keep_last)
+        if self.async_writer is None:
+            path = save_checkpoint(self.args.save, progress.iteration, model=self.chunks, **state, **write)
+            if trainer.is_logging_rank:
+                print(f" saved checkpoint at iteration {progress.iteration} to {path}", flush=True)
+            return
+        iteration, speaks = progress.iteration, trainer.is_logging_rank
+        staged = run_agreed(lambda: checkpoint_state(self.chunks, **state), f"preparing checkpoint {iteration}")
+
+        def committed(path, seconds: float) -> None:
+            if speaks:
+                print(f" saved checkpoint at iteration {iteration} to {path} (written in the background in "
+                      f"{seconds:.1f} s)", flush=True)
+
+        held = self.async_writer.start(staged, self.args.save, iteration, on_commit=committed,
+                                       parallel_state=self.ps, **write)
+        if speaks:
+            print(f" checkpoint at iteration {iteration} staged in host memory ({held:.2f} s); writing it in the "
+                  "background (--async-save)", flush=True)
+
+    def finish(self) -> None:
+        """Wait for a pending asynchronous save to commit (before the process exits); raises if it failed."""
+        if self.async_writer is not None:
+            self.async_writer.wait()
 
     def load(self) -> dict | None:
         """Restore from --load; returns the saved progress counters (None: nothing to resume from).
@@ -103,3 +130,11 @@ class Checkpointer:
         if args.finetune:
             return None
         return loaded.extra.get("progress")
+
+
+def _writer_group(args: argparse.Namespace) -> dist.ProcessGroup | None:
+    """The background writer's own whole-world gloo group (created by every rank together, here): sharing a
+    communicator with the training thread's collectives would interleave the two threads' messages."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(minutes=args.distributed_timeout_minutes))

@@ -378,6 +378,8 @@ class Trainer:
                     self.checkpointer.save(self)  # the final state, unless the last interval just saved it
                     self._collect_after_save()
             self._log_guard_switches()  # those after the last logged iteration
+            if self.checkpointer is not None:  # --async-save: the last save commits before the run ends
+                self.checkpointer.finish()
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
