@@ -223,13 +223,18 @@ def _wait_for(condition, agent: subprocess.Popen, poll: float) -> None:
         time.sleep(poll)
 
 
-@pytest.mark.parametrize("target", ["ranks", "agent"])
-def test_sigterm_finishes_the_step_saves_and_exits_0(target, data_prefix, tmp_path):
+@pytest.mark.parametrize("target, async_save", [("ranks", False), ("agent", False), ("ranks", True)],
+                         ids=["ranks", "agent", "ranks-async-save"])
+def test_sigterm_finishes_the_step_saves_and_exits_0(target, async_save, data_prefix, tmp_path):
     """SIGTERM to every rank (a scheduler's preemption) or to the torchrun agent, which forwards it to its
     workers: they finish the step, save it and exit 0. The agent itself then exits 1 (torchrun re-raises the
-    signal it received), so that case checks the ranks' own clean end instead of the agent's status."""
+    signal it received), so that case checks the ranks' own clean end instead of the agent's status. With
+    --async-save the save is still in the background when the loop ends (rank 0 holds its commit 3 s): the run
+    commits it before exiting."""
     save, logs = tmp_path / "checkpoints", tmp_path / "logs"
-    agent = _launch(*SMALL_RUN, "--data-path", data_prefix, "--save", str(save), "--log-dir", str(logs))
+    agent = _launch(*SMALL_RUN, "--data-path", data_prefix, "--save", str(save), "--log-dir", str(logs),
+                    *(["--async-save"] if async_save else []),
+                    env={"MEGAFP8_TEST_PAUSE_BEFORE_COMMIT_S": "3"} if async_save else None)
     _wait_for(lambda: (logs / "metrics.jsonl").exists() and len(_records(logs)) >= 2, agent, 0.2)
     for pid in _workers(agent).values() if target == "ranks" else [agent.pid]:
         os.kill(pid, signal.SIGTERM)
@@ -240,11 +245,13 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(target, data_prefix, tmp_pa
     assert f"megafp8: trained {last} iterations" in out  # the last rank's run() returned normally
 
 
-def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(data_prefix, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async-save"])
+def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(async_save, data_prefix, tmp_path):
+    """With --async-save the kill lands while the background thread writes and the training goes on."""
     save = tmp_path / "checkpoints"
     # Rank 0 pauses 3 s before committing each save (a test hook), so the kill surely lands mid-save.
     agent = _launch(*SMALL_RUN, "--data-path", data_prefix, "--save", str(save), "--save-interval", "1",
-                    env={"MEGAFP8_TEST_PAUSE_BEFORE_COMMIT_S": "3"})
+                    *(["--async-save"] if async_save else []), env={"MEGAFP8_TEST_PAUSE_BEFORE_COMMIT_S": "3"})
 
     def second_save_in_progress() -> bool:
         return save.is_dir() and any(p.name.startswith("iter_") and ".tmp-" in p.name and int(p.name[5:12]) >= 2
