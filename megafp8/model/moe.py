@@ -42,6 +42,7 @@ from megafp8.parallel.expert_dispatch import ExpertExchange
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.placement import Placement
 
+
 class MoELayer(nn.Module):
     """``[s_local, b, h]`` -> same; a drop-in for the dense MLP of a transformer block."""
 
