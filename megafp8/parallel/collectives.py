@@ -27,6 +27,7 @@ compute while the collective is in flight (the FP8 linear runs wgrad under the d
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,13 @@ class CommCounters:
         # ranks; () for point-to-point) and the last one entered.
         self.entered: dict[tuple[int, ...], int] = {}
         self.last_entered: dict | None = None
+        # Seconds this rank's thread spent blocked in collectives' waits (PendingCollective.wait), for the straggler
+        # report: an iteration's time minus them is the rank's own work. Read and reset by take_wait_seconds.
+        self.wait_seconds = 0.0
+
+    def take_wait_seconds(self) -> float:
+        seconds, self.wait_seconds = self.wait_seconds, 0.0
+        return seconds
 
     def add(self, kind: str, nbytes: int, ranks: tuple[int, ...] = ()) -> None:
         """Charge a collective this rank enters now; ``ranks``: its group's global ranks."""
@@ -123,14 +131,19 @@ class GroupHandle:
 class PendingCollective:
     """A collective in flight: ``wait()`` blocks until it is done and returns its result (then idempotent)."""
 
-    def __init__(self, result, work: dist.Work | None = None, finish=None) -> None:
-        self._result, self._work, self._finish = result, work, finish
+    def __init__(self, result, work: dist.Work | None = None, finish=None,
+                 counters: CommCounters | None = None) -> None:
+        self._result, self._work, self._finish, self._counters = result, work, finish, counters
 
     def wait(self):
-        """The result; ``finish`` (if given) post-processes the raw output once, after the transfer."""
+        """The result; ``finish`` (if given) post-processes the raw output once, after the transfer. The time blocked
+        is added to ``counters.wait_seconds`` (a host clock: on a GPU it times the host's wait, not the kernel)."""
         if self._work is not None:
+            start = time.perf_counter()
             self._work.wait()
             self._work = None
+            if self._counters is not None:
+                self._counters.wait_seconds += time.perf_counter() - start
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result
@@ -162,7 +175,7 @@ def all_gather_into_tensor_async(output: torch.Tensor, input_: torch.Tensor, han
     handle.counters.add(kind, _nbytes(input_) * (handle.size - 1), handle.ranks)
     work = _all_gather_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
                               async_op=True)
-    return PendingCollective(output, work)
+    return PendingCollective(output, work, counters=handle.counters)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
@@ -230,7 +243,7 @@ def reduce_scatter_tensor_async(output: torch.Tensor, input_: torch.Tensor, hand
     handle.counters.add(kind, _nbytes(output) * (handle.size - 1), handle.ranks)
     work = _reduce_scatter_single(output, input_.detach().contiguous(), op=dist.ReduceOp.SUM, group=handle.group,
                                   async_op=True)
-    return PendingCollective(output, work)
+    return PendingCollective(output, work, counters=handle.counters)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, handle: GroupHandle, kind: str) -> torch.Tensor:
@@ -258,7 +271,8 @@ def all_reduce_async(tensor: torch.Tensor, handle: GroupHandle, kind: str,
     if handle.size == 1:
         return PendingCollective(tensor)
     handle.counters.add(kind, 2 * _nbytes(tensor) * (handle.size - 1) // handle.size, handle.ranks)
-    return PendingCollective(tensor, dist.all_reduce(tensor, op=op, group=handle.group, async_op=True))
+    return PendingCollective(tensor, dist.all_reduce(tensor, op=op, group=handle.group, async_op=True),
+                             counters=handle.counters)
 
 
 def all_reduce(tensor: torch.Tensor, handle: GroupHandle, kind: str,
@@ -280,7 +294,7 @@ def all_to_all_single_async(output: torch.Tensor, input_: torch.Tensor, handle: 
     handle.counters.add(kind, _nbytes(input_) // handle.size * (handle.size - 1), handle.ranks)
     work = dist.all_to_all_single(_wire_view(output), _wire_view(input_.detach().contiguous()), group=handle.group,
                                   async_op=True)
-    return PendingCollective(output, work)
+    return PendingCollective(output, work, counters=handle.counters)
 
 
 def all_to_all_uneven(input_: torch.Tensor, output_splits: list[int], input_splits: list[int],
@@ -319,7 +333,7 @@ def isend(tensor: torch.Tensor, dst: int, counters: CommCounters, kind: str = "p
     """Non-blocking point-to-point send to global rank ``dst``; keep ``tensor`` alive until ``wait()``."""
     tensor = tensor.contiguous()
     counters.add(kind, _nbytes(tensor))
-    return PendingCollective(tensor, dist.isend(_wire_view(tensor), dst=dst, group=group))
+    return PendingCollective(tensor, dist.isend(_wire_view(tensor), dst=dst, group=group), counters=counters)
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -72,4 +72,4 @@ def all_to_all_rows_async(x: QuantizedTensor, input_splits: list[int], output_sp
     handle.counters.add(kind, sent * row_bytes, handle.ranks)
     work = dist.all_to_all_single(received, packed.contiguous(), output_split_sizes=output_splits,
                                   input_split_sizes=input_splits, group=handle.group, async_op=True)
-    return PendingCollective(received, work, finish=unpack)
+    return PendingCollective(received, work, finish=unpack, counters=handle.counters)

@@ -9,9 +9,10 @@ entered on every group) followed by ``faulthandler``'s stacks of all its threads
 the same iteration (the ranks that entered a collective wait in it for the one that did not), so every rank writes.
 Rank 0 waits for the files (up to the timeout itself), joins them into ``hang_iterNNNNNNN.txt`` and prints one line:
 the ranks that wait in a collective on a group, the members of that group that have not entered it yet (fewer
-collectives on the group), and where those chains end: the ranks that hold everyone up. A rank whose file never comes is named as
-silent (dead, or on another node without a shared log directory). The run itself goes on: a transient stall
-finishes and a real hang still ends at --distributed-timeout-minutes, now with the explanation on disk.
+collectives on the group), and where those chains end: the ranks that hold everyone up. A rank whose file never
+comes is named as silent (dead, or on another node without a shared log directory). The run itself goes on: a
+transient stall finishes and a real hang still ends at --distributed-timeout-minutes, now with the explanation on
+disk.
 
 Collectives are tracked by the byte counters every megafp8 collective already charges (CommCounters.add): a
 counter per group and the last one entered. Host cost: one dict update per collective, nothing on the device.
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from megafp8.parallel.collectives import CommCounters
 
-TEST_HANG_ENV = "MEGAFP8_TEST_HANG"  # RANK@ITERATION:SECONDS: that rank sleeps that long when the iteration starts
+# RANK@ITERATION:SECONDS: that rank sleeps that long when the iteration starts (ITERATION *: every iteration)
+TEST_HANG_ENV = "MEGAFP8_TEST_HANG"
 
 
 class HangWatchdog:
@@ -128,11 +130,12 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class InjectedStall:
-    """The test hook ``MEGAFP8_TEST_HANG=RANK@ITERATION:SECONDS``: that rank sleeps at that iteration's start."""
+    """The test hook ``MEGAFP8_TEST_HANG=RANK@ITERATION:SECONDS``: that rank sleeps at that iteration's start (a
+    stall, for the watchdog), or at every iteration's with ``*`` (a straggler, for megafp8.training.stragglers)."""
 
     ENV = TEST_HANG_ENV
 
-    def __init__(self, rank: int, iteration: int, seconds: float) -> None:
+    def __init__(self, rank: int, iteration: int | None, seconds: float) -> None:
         self.rank, self.iteration, self.seconds = rank, iteration, seconds
 
     @classmethod
@@ -143,10 +146,10 @@ class InjectedStall:
         try:
             rank, rest = value.split("@")
             iteration, seconds = rest.split(":")
-            return cls(int(rank), int(iteration), float(seconds))
+            return cls(int(rank), None if iteration == "*" else int(iteration), float(seconds))
         except ValueError:
             raise ValueError(f"{TEST_HANG_ENV}={value!r}: expected RANK@ITERATION:SECONDS, e.g. 1@3:20") from None
 
     def maybe_sleep(self, rank: int, iteration: int) -> None:
-        if rank == self.rank and iteration == self.iteration:
+        if rank == self.rank and self.iteration in (None, iteration):
             time.sleep(self.seconds)

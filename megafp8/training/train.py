@@ -51,6 +51,7 @@ from megafp8.training.arguments import hang_timeout_minutes
 from megafp8.training.flops import flops_per_iteration, moe_flops_args
 from megafp8.training.hang_watchdog import HangWatchdog, InjectedStall
 from megafp8.training.profiling import IterationProfiler
+from megafp8.training.stragglers import gather_work_ms, straggler_line
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
 
 if TYPE_CHECKING:  # annotations only: the flag checks import this module's schedules without the optimizer
@@ -308,6 +309,7 @@ class Trainer:
         args, p = self.args, self.progress
         stop = StopSignal()
         self.ps.comm.reset()  # setup traffic (the first parameter gather, a checkpoint load) is no iteration's
+        self.ps.comm.take_wait_seconds()
         start_time = self.start_time = time.monotonic()
         window_start, window_iters = time.perf_counter(), 0
         # This run's skipped / NaN iterations so far, on the device; folded into `p` when read.
@@ -350,11 +352,12 @@ class Trainer:
                     scale = [self.loss_scaler.scale] if self.loss_scaler is not None else []
                     loss, grad_norm, *scale = self._read_counters(loss, grad_norm, *scale)
                     elapsed = (time.perf_counter() - window_start) / window_iters
-                    moe = (collect_moe_stats(self.pipeline.chunks, self.ps.amax_group, self.ps.pp_group, self.ps.dp_size)
-                           if self.has_moe else {})
+                    work = self._rank_work_ms(elapsed, window_iters)
+                    moe = (collect_moe_stats(self.pipeline.chunks, self.ps.amax_group, self.ps.pp_group,
+                                             self.ps.dp_size) if self.has_moe else {})
                     self._log(loss, lr, grad_norm, elapsed, self._collect_telemetry() if telemetry else None,
                               collect_block_scale_histograms(self.ddp.module) if telemetry else None,
-                              loss_scale=scale[0] if scale else None, moe=moe)
+                              loss_scale=scale[0] if scale else None, moe=moe, rank_work_ms=work)
                     self._log_guard_switches()
                     window_start, window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
@@ -390,6 +393,14 @@ class Trainer:
                 gc.enable()
         self._read_counters()
         return p
+
+    def _rank_work_ms(self, seconds_per_iteration: float, iterations: int) -> list[float] | None:
+        """Every rank's time per iteration of the window outside collective waits (several ranks only; every rank
+        calls: one all-gather at a log iteration)."""
+        waited = self.ps.comm.take_wait_seconds() / iterations
+        if self.ps.world_size == 1:
+            return None
+        return gather_work_ms(1e3 * max(seconds_per_iteration - waited, 0.0), self.ps.world_size)
 
     def _beat(self, iteration: int, phase: str) -> None:
         """A phase starts: the hang watchdog (--hang-timeout-minutes) times it."""
@@ -443,7 +454,8 @@ class Trainer:
         return _on_any_rank(stop.requested or out_of_time)
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry,
-             histograms=None, loss_scale: float | None = None, moe: dict | None = None) -> None:
+             histograms=None, loss_scale: float | None = None, moe: dict | None = None,
+             rank_work_ms: list[float] | None = None) -> None:
         tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
         record = IterationRecord(
             iteration=self.progress.iteration, train_iters=self.train_iters,
@@ -456,10 +468,15 @@ class Trainer:
             model_state_bytes_per_param=self.optimizer.model_state_bytes_per_param(),
             mfu_bf16=tflops / self.peak[0] if self.peak else None, mfu_fp8=tflops / self.peak[1] if self.peak else None,
             elapsed_s=time.monotonic() - self.start_time,
-            eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration), **(moe or {}))
+            eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration), **(moe or {}),
+            rank_work_ms=rank_work_ms)
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
             self.log.log_iteration(record, telemetry, histograms)
+            line = straggler_line(rank_work_ms or [], self.progress.iteration - self.args.log_interval + 1,
+                                  self.progress.iteration)
+            if line:
+                print(f" {line}", flush=True)
 
     def _collect_telemetry(self) -> dict[str, float]:
         """The FP8 casts' statistics and the inputs' kurtosis and RMS (moments summed over this rank's TP group, so

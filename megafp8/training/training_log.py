@@ -60,6 +60,8 @@ class IterationRecord:
     moe_aux_loss: float | None = None
     moe_z_loss: float | None = None
     moe_tokens_per_expert: dict[str, list[int]] | None = None
+    # Several ranks: each rank's time per iteration outside collective waits (megafp8.training.stragglers)
+    rank_work_ms: list[float] | None = None
     # Console only (not metrics.jsonl): wall time since this process started training, and the time the
     # remaining iterations take at this record's rate.
     elapsed_s: float | None = None
@@ -97,6 +99,8 @@ class IterationRecord:
             del record["loss_scale"]
         if self.moe_aux_loss is None:  # the keys are --num-experts'
             del record["moe_aux_loss"], record["moe_z_loss"], record["moe_tokens_per_expert"]
+        if self.rank_work_ms is None:
+            del record["rank_work_ms"]
         record["comm_bytes"] = {kind: int(self.comm_bytes.get(kind, 0)) for kind in COMM_KINDS}
         return {k: _finite_or_none(v) for k, v in record.items()}
 
