@@ -113,7 +113,7 @@ def test_unknown_flag_is_rejected(capsys):
 
 
 def test_wsd_schedule_flags_reach_the_schedule():
-    from megafp8.training.train import learning_rate_schedule
+    from megafp8.training.schedules import learning_rate_schedule
 
     args = parse_args(BASE + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", "linear",
                               "--lr", "1e-3", "--min-lr", "1e-4"])

@@ -48,7 +48,8 @@ def test_print_flags_lists_every_parser_flag_by_group():
     titles = re.findall(r"^### (.+)$", result.stdout, re.MULTILINE)
     assert titles == ["model", "parallelism", "precision and FP8", "optimizer and schedule", "training and data",
                       "checkpoints", "logging", "compile and CUDA graphs", "microscaling and FP4",
-                      "mixture of experts", "Megatron-LM implementation choices (accepted)"]
+                      "mixture of experts", "suspicious steps (result checks and re-runs)",
+                      "Megatron-LM implementation choices (accepted)"]
     assert "| `--fp8-recipe` | delayed \\| tensorwise \\| rowwise \\| static \\| blockwise \\| mxfp8 | `delayed` |" in \
         result.stdout
     assert "| `--no-fp8-saturation-guard` | switch |  | turn the saturation guard off" in result.stdout  # no "True"

@@ -1,5 +1,5 @@
-"""FP8 numerics report: loss parity against a baseline run, grad norm, per-layer FP8 telemetry and MoE expert-load
-heatmaps.
+"""FP8 numerics report: loss parity against a baseline run, grad norm, per-layer FP8 telemetry, MoE expert-load
+heatmaps and the runs' suspicious steps (their flight records).
 
     python tools/fp8_report.py RUN_DIR... --output REPORT_DIR [--baseline NAME] [--seq-length N] [--band 0.01]
                                [--pair RUN=REFERENCE]... [--pair-band 0.005]
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megafp8.training.flight_record import read_flight_records
+
 # Telemetry stats of megafp8.fp8.collect_fp8_telemetry; "flushed" is accepted as a short name.
 SATURATED, FLUSHED, AMAX, KURTOSIS = "saturated", "flushed_to_zero", "amax", "kurtosis"
 SMOOTHING = 5  # final training loss: mean of the last N logged records (one step is noisy)
@@ -43,6 +45,7 @@ class Run:
     guard_switches: list[dict] = field(default_factory=list)  # {"iteration", "fp8_guard_switch", "saturated"}
     # stat -> layer -> role -> [(step, value)]
     telemetry: dict[str, dict[str, dict[str, list[tuple[int, float]]]]] = field(default_factory=dict)
+    suspicious_steps: list[dict] = field(default_factory=list)  # the flight records (megafp8.training.flight_record)
 
     def final_loss(self, use_validation: bool) -> float:
         if use_validation:
@@ -112,7 +115,12 @@ def load_run(path: str) -> Run:
     if not run_dir.is_dir():
         raise ReportError(f"run directory {run_dir} " + ("is not a directory" if run_dir.exists() else "does not exist"))
     train, valid, switches = _read_metrics(run_dir)
-    return Run(run_dir.resolve().name, run_dir, train, valid, switches, _read_telemetry(run_dir))
+    log_dir = run_dir if (run_dir / "metrics.jsonl").is_file() else run_dir / "logs"
+    try:
+        events = read_flight_records(log_dir)
+    except ValueError as e:
+        raise ReportError(str(e)) from e
+    return Run(run_dir.resolve().name, run_dir, train, valid, switches, _read_telemetry(run_dir), events)
 
 
 def _tokens(run: Run, iterations: list[int], seq_length: int | None) -> tuple[np.ndarray, str]:
@@ -329,6 +337,26 @@ def _guard_section(runs: list[Run]) -> list[str]:
             "| run | after iteration | layer | saturated |", "|---|---|---|---|", *rows, ""]
 
 
+def _suspicious_section(runs: list[Run]) -> list[str]:
+    """A table of every run's suspicious steps (--rerun-mode's flight records): what, why, what was done."""
+    rows = []
+    for run in runs:
+        for e in run.suspicious_steps:
+            where = e.get("first_nonfinite") or {}
+            found = (f"{where['module']} ({where['pass']}, rank {where['rank']})" if where else "-")
+            samples = ", ".join(map(str, where.get("samples", []))) or "-"
+            rows.append(f"| {run.name} | {e['iteration']} | {e['kind']} | {e['diagnosis']} | {e['action']} | "
+                        f"{found} | {samples} | `flight_records/{e['file']}` |")
+    if not rows:
+        return ["## Suspicious steps", "", "No run had a step fail its result checks.", ""]
+    return ["## Suspicious steps", "",
+            "Steps whose loss or grad norm failed a result check (non-finite, or a spike), with the re-run's "
+            "diagnosis; the first non-finite module and its samples come from the re-run's hooks "
+            "(`tools/show_samples.py RECORD` prints the samples' text).", "",
+            "| run | iteration | kind | diagnosis | action | first non-finite | samples | record |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
 def _pair_section(runs: list[Run], pairs: list[tuple[str, str]], use_validation: bool, band: float) -> list[str]:
     """RUN vs its one-flag REFERENCE: final-loss gap and the largest per-iteration training-loss gap."""
     if not pairs:
@@ -386,6 +414,7 @@ def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_l
     lines += ["", "![loss](loss.png)", "", "![gap and grad norm](gap_and_grad_norm.png)", ""]
     lines += _pair_section(runs, pairs or [], use_validation, pair_band)
     lines += _guard_section(runs)
+    lines += _suspicious_section(runs)
     lines += _expert_load_section(runs, output)
     for run in runs:
         image = _plot_telemetry(run, output)

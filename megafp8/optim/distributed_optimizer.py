@@ -58,6 +58,9 @@ class GradStats:
     grad_norm: torch.Tensor        # fp64, 0-dim: the global grad norm before clipping
     finite: torch.Tensor           # bool, 0-dim: no NaN/inf anywhere (else ``apply`` keeps every stored state)
     clip: torch.Tensor | None      # fp32, 0-dim: the factor --clip-grad scales the grads by; None without it
+    # bool, 0-dim: a result check rejected the step (megafp8.training.rerun): skipped like a non-finite one, but
+    # no overflow for --fp16's loss scaler. None: no check.
+    rejected: torch.Tensor | None = None
 
 
 @dataclass
@@ -158,8 +161,10 @@ class DistributedOptimizer:
         return requested
 
     def device_counters(self) -> dict[str, torch.Tensor]:
-        """The step and skipped counts as the device holds them (read without a sync; a step re-run restores them)."""
-        return {"step": self._step, "skipped": self._skipped}
+        """The step and skipped counts (and --fp16's loss scaler state) as the device holds them (read without a
+        sync; a step re-run restores them)."""
+        scaler = self.loss_scaler.live_state() if self.loss_scaler is not None else {}
+        return {"step": self._step, "skipped": self._skipped, **{f"loss_scaler.{k}": v for k, v in scaler.items()}}
 
     @property
     def step_count(self) -> int:
@@ -313,7 +318,8 @@ class DistributedOptimizer:
     def apply(self, lr: float, stats: GradStats, decoupled_lr: float | None = None) -> StepResult:
         """The step's second half: the AdamW update from ``prepare``'s ``stats`` (kept states where they say
         non-finite), the counters, and the publication of the new weights (see ``step`` for the LRs)."""
-        norm, finite, clip = stats.grad_norm, stats.finite, stats.clip
+        norm, overflow_free, clip = stats.grad_norm, stats.finite, stats.clip
+        finite = overflow_free if stats.rejected is None else overflow_free & ~stats.rejected  # applied or kept
         self.pending_stats = None
         step = self._step + 1  # this update's count, committed only if finite
         beta1, beta2 = self.betas
@@ -352,7 +358,7 @@ class DistributedOptimizer:
         self._step += finite
         self._skipped += ~finite
         if self.loss_scaler is not None:  # Megatron's order: the scale moves after the (possibly skipped) update
-            self.loss_scaler.update(~finite)
+            self.loss_scaler.update(~overflow_free)
         # Always published (a skipped step publishes the same weights): FP8 weights are cast again under the
         # scales this step's update() set, as a run resumed from this step's checkpoint casts them.
         self.publish()

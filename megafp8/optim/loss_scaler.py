@@ -36,6 +36,11 @@ class LossScaler:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"scale": self.scale.detach().clone()}
 
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The scale and trackers themselves (not copies): what a step re-run restores in place."""
+        return {name: getattr(self, name) for name in ("scale", "growth_tracker", "hysteresis_tracker")
+                if hasattr(self, name)}
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.scale.copy_(state["scale"])
 

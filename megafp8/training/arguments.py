@@ -20,6 +20,7 @@ from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from megafp8.training import megatron_flags
 from megafp8.training.compilation import add_compile_flags, compile_errors
+from megafp8.training.rerun_flags import add_rerun_flags, fill_rerun_mode, rerun_errors
 from megafp8.optim.loss_scaler import loss_scale_errors
 from megafp8.training.block_flags import add_block_flags, block_errors
 from megafp8.training.microscaling_flags import (add_microscaling_flags, fill_microscaling_defaults,
@@ -309,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compile_flags(p.add_argument_group("compile and CUDA graphs"))
     add_microscaling_flags(p.add_argument_group("microscaling and FP4"))
     add_moe_flags(p.add_argument_group("mixture of experts"))
+    add_rerun_flags(p.add_argument_group("suspicious steps (result checks and re-runs)"))
     megatron_flags.add_implementation_flags(p.add_argument_group("Megatron-LM implementation choices (accepted)"))
     return p
 
@@ -337,13 +339,14 @@ def parse_and_check(argv: Sequence[str] | None = None, world_size: int = 1) -> t
     warnings = _fill_defaults(args, world_size)
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     return args, argument_errors(args, world_size) + block_errors(args, given) + microscaling_errors(args, given) \
-        + moe_flag_errors(args), \
+        + moe_flag_errors(args) + rerun_errors(args, given), \
         warnings
 
 
 def _fill_defaults(args: argparse.Namespace, world_size: int) -> list[str]:
     """Derived fields and Megatron-LM's lenient rules; returns a warning for each flag it overrode."""
     warnings = []
+    fill_rerun_mode(args)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         # Megatron-LM's validate_args: sequence parallelism is meaningless without TP, so it is switched off
         # (a launch script that always passes it, or a TP-1 resume of a TP-2 run, keeps working).
@@ -522,7 +525,7 @@ def _rope_scaling_errors(args: argparse.Namespace) -> list[str]:
 
 def _schedule_errors(args: argparse.Namespace) -> list[str]:
     """The LR schedule's own rules (--min-lr within [0, --lr], warm-up shorter than the decay, ...)."""
-    from megafp8.training.train import learning_rate_schedule
+    from megafp8.training.schedules import learning_rate_schedule
 
     try:
         learning_rate_schedule(args)

@@ -31,6 +31,7 @@ class Checkpointer:
     def __init__(self, args: argparse.Namespace, parallel_state: ParallelState, pipeline, optimizer, guard=None):
         self.args, self.ps, self.pipeline, self.optimizer, self.guard = args, parallel_state, pipeline, optimizer, guard
         self.async_writer = AsyncCheckpointWriter(_writer_group(args)) if getattr(args, "async_save", False) else None
+        self.last_saved_iteration: int | None = None  # saved or loaded (a step re-run's exit saves only if new)
 
     @property
     def chunks(self):
@@ -69,6 +70,7 @@ class Checkpointer:
     def save(self, trainer) -> None:
         """Write iteration `trainer.progress.iteration` to --save (atomic; --keep-last prunes older ones)."""
         progress = trainer.progress
+        self.last_saved_iteration = progress.iteration
         # --overlap-param-gather defers the gather after the step to the next forward: finish it, or the
         # shards this rank does not own would be saved one step stale.
         self.optimizer.ddp.finish_param_sync()
@@ -129,6 +131,7 @@ class Checkpointer:
             print(f" loaded checkpoint {loaded.path} (iteration {loaded.iteration})", flush=True)
         if args.finetune:
             return None
+        self.last_saved_iteration = loaded.iteration
         return loaded.extra.get("progress")
 
 

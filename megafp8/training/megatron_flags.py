@@ -32,6 +32,9 @@ MEGAFP8_ONLY = frozenset({
     "--fp8-dot-product-attention",
     # NVIDIA Resiliency Extension's idea as a flag: the hang watchdog (megafp8/training/hang_watchdog.py).
     "--hang-timeout-minutes",
+    # The result checks: Megatron-LM fixes the spike rule's 10 x max of 100 and has only the --no- spelling of the
+    # NaN check; what a reproduced suspicious step does is megafp8's choice (megafp8/training/rerun.py).
+    "--spiky-loss-factor", "--spiky-loss-samples", "--rerun-persistent-action", "--check-for-nan-in-loss-and-grad",
 })
 
 # Megatron flags megafp8 refuses whatever their value (docs/training.md lists them from here).
@@ -70,6 +73,8 @@ DEFAULTS_THAT_DIFFER = {
     "--tokenizer-type": "Megatron-LM requires it",
     "--num-query-groups": "read only with --group-query-attention, where megafp8 also defaults to 1",
     "--split": "the same split: Megatron-LM fills in 969,30,1 after parsing",
+    "--rerun-mode": "validate_results, Megatron-LM's default, is filled in after parsing (disabled under "
+                    "--enable-cuda-graph: re-runs were not verified against CUDA graph replays)",
     "--lr-warmup-samples": "0 and None both mean no warm-up",
     "--no-load-optim": "None and False both mean load it",
     "--no-load-rng": "None and False both mean load it",
@@ -282,7 +287,7 @@ def _schedule_flag_errors(args: argparse.Namespace) -> list[str]:
         if floor > args.decoupled_lr:
             errors.append(f"{flag} {floor} exceeds --decoupled-lr {args.decoupled_lr}: the embedding and output "
                           "layer's LR decays to it")
-    # --lr-warmup-fraction's range is the schedule's rule (megafp8.training.train.learning_rate_schedule).
+    # --lr-warmup-fraction's range is the schedule's rule (megafp8.training.schedules.learning_rate_schedule).
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         errors.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive")
     return errors

@@ -22,6 +22,7 @@ from megafp8.parallel.pipeline import build_pipeline
 from megafp8.training.checkpointing import Checkpointer
 from megafp8.training.compilation import apply_compile
 from megafp8.training.data_setup import close_batches
+from megafp8.training.rerun import RerunExit
 from megafp8.training.train import Trainer, TrainProgress, saturation_guard
 
 # What --decoupled-lr steps (Megatron's is_embedding_or_output_parameter): the input embedding and the output layer,
@@ -173,6 +174,10 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
         trainer.log.start_wandb(**wandb_settings(args))
     try:
         progress = trainer.train()
+    except RerunExit as e:  # a suspicious step's re-run decided to stop (megafp8.training.rerun): every rank
+        if parallel_state.rank == 0:
+            print(f"megafp8-pretrain: stopping: {e} (exit {e.code})", file=sys.stderr, flush=True)
+        return e.code
     finally:  # --num-workers' processes end with the run, also when it fails
         close_batches(trainer.train_batches, trainer.valid_batches)
     if trainer.is_logging_rank and compiled:

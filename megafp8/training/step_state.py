@@ -129,9 +129,13 @@ def _has_started(source) -> bool:
 
 
 def _device_counters(trainer) -> dict[str, torch.Tensor]:
-    """The counters a step moves on the device: the optimizer's step and skipped counts, and the trainer's
-    skipped / NaN iterations not yet folded into its progress (those exist once ``train()`` runs)."""
+    """The counters a step moves on the device: the optimizer's step and skipped counts (and --fp16's loss scale),
+    the result checks' spike reference, and the trainer's skipped / NaN iterations not yet folded into its
+    progress (those exist once ``train()`` runs)."""
     counters = {f"optimizer.{name}": tensor for name, tensor in trainer.optimizer.device_counters().items()}
+    rerun = getattr(trainer, "rerun", None)
+    if rerun is not None:
+        counters.update({f"result_checks.{name}": t for name, t in rerun.checks.device_state().items()})
     for name in ("_new_skipped", "_new_nan"):
         if hasattr(trainer, name):
             counters[f"trainer.{name}"] = getattr(trainer, name)

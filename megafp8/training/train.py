@@ -42,15 +42,18 @@ from megafp8.fp8.rounding_keys import begin_rounding_iteration
 from megafp8.fp8.telemetry import collect_block_scale_histograms
 from megafp8.model.moe_stats import collect_moe_stats, has_moe, update_expert_biases
 from megafp8.training.microscaling_flags import precision_schedule_from_args
-from megafp8.optim.lr_schedule import LearningRateSchedule
 from megafp8.parallel import collectives as C
 from megafp8.parallel.context_parallel import split_for_context_parallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
 from megafp8.training.arguments import hang_timeout_minutes
 from megafp8.training.flops import flops_per_iteration, moe_flops_args
+from megafp8.training.fault_injection import LogitSpike, LossFault, PoisonedSample, rank_sample_indices
 from megafp8.training.hang_watchdog import HangWatchdog, InjectedStall
+from megafp8.training.rerun import RerunStateMachine
+from megafp8.training.rerun_flags import checks_enabled
 from megafp8.training.profiling import IterationProfiler
+from megafp8.training.schedules import decoupled_learning_rate_schedule, learning_rate_schedule
 from megafp8.training.stragglers import gather_work_ms, straggler_line
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
 
@@ -67,41 +70,9 @@ class TrainProgress:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     consumed_valid_samples: int = 0  # Megatron's name: validation resumes where it stopped (0 in older checkpoints)
-
-
-def learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule:
-    """--lr, --min-lr, --lr-decay-style and the warm-up/decay lengths (iterations or samples; or the warm-up as
-    --lr-warmup-fraction of the decay length, Megatron's lr_warmup_steps = fraction x lr_decay_steps, unrounded)."""
-    if args.lr_decay_samples is not None:
-        decay = args.lr_decay_samples
-    elif args.lr_decay_iters is not None:
-        decay = args.lr_decay_iters * args.global_batch_size
-    else:
-        decay = args.train_samples
-    if args.lr_warmup_fraction is not None:
-        if not 0 <= args.lr_warmup_fraction < 1:  # Megatron's scheduler asserts warm-up < decay
-            raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
-        warmup = args.lr_warmup_fraction * decay
-    elif args.lr_warmup_samples is not None:
-        warmup = args.lr_warmup_samples
-    else:
-        warmup = args.lr_warmup_iters * args.global_batch_size
-    wsd = args.lr_wsd_decay_samples
-    if wsd is None and args.lr_wsd_decay_iters is not None:
-        wsd = args.lr_wsd_decay_iters * args.global_batch_size
-    return LearningRateSchedule(max_lr=args.lr, min_lr=args.min_lr, warmup_samples=warmup, decay_samples=decay,
-                                decay_style=args.lr_decay_style, wsd_decay_samples=wsd,
-                                wsd_decay_style=args.lr_wsd_decay_style)
-
-
-def decoupled_learning_rate_schedule(args: argparse.Namespace) -> LearningRateSchedule | None:
-    """--decoupled-lr's schedule of the input embedding and the output layer (megafp8.training.run's
-    DECOUPLED_LR_PARAMS), None without it: Megatron's param-group override, the same warm-up and decay from the same
-    --lr-warmup-init, to --decoupled-min-lr, else --min-lr."""
-    if args.decoupled_lr is None:
-        return None
-    min_lr = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
-    return dataclasses.replace(learning_rate_schedule(args), max_lr=args.decoupled_lr, min_lr=min_lr)
+    # --check-for-spiky-loss's reference |loss| and the steps in it (megafp8.training.result_checks; 0 in older ones)
+    spike_reference: float = 0.0
+    spike_samples: int = 0
 
 
 # Test hook, unset in real runs: MEGAFP8_INJECT_NAN_AT_ITERATION=N makes iteration N's loss NaN on the logging
@@ -206,6 +177,18 @@ class Trainer:
         self.has_moe = has_moe(pipeline.chunks)
         self.injected_stall = InjectedStall.from_env()
         self.watchdog: HangWatchdog | None = None
+        self.loss_faults = LossFault.all_from_env()
+        self.logit_spike = LogitSpike(self.ddp.module) if any(f.kind == "spike" for f in self.loss_faults) else None
+        for fault in self.loss_faults:
+            if not _on_any_rank(fault.rank == ps.rank and ps.coords.pp == ps.pp_size - 1):
+                raise ValueError(f"MEGAFP8_TEST_LOSS_FAULT: rank {fault.rank} computes no loss (not a rank of the "
+                                 "last pipeline stage)")
+        self.poisoned_sample = self._poisoned_sample()
+        # The result checks and step re-runs (megafp8.training.rerun); None when every check is off.
+        self.rerun = RerunStateMachine(self) if checks_enabled(args) else None
+        if self.rerun is not None:
+            self.rerun.checks.load_state_dict({"reference": self.progress.spike_reference,
+                                               "seen": self.progress.spike_samples})
 
     # ---- one iteration ----------------------------------------------------------------------
     def _global_batch(self, source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,8 +206,14 @@ class Trainer:
     def loss_mask(self, labels: torch.Tensor) -> torch.Tensor | None:
         """The loss mask of this rank's share of the batch (like `labels`); None: every token counts, as the
         data has no mask. Also where the NaN test hook above comes in (and tests give uneven masks)."""
-        injected_nan = self.is_logging_rank and self.progress.iteration + 1 == _INJECT_NAN_AT_ITERATION
-        return torch.full(labels.shape, float("nan")) if injected_nan else None
+        iteration = self.progress.iteration + 1
+        if self.is_logging_rank and iteration == _INJECT_NAN_AT_ITERATION:
+            return torch.full(labels.shape, float("nan"))
+        attempt = self.rerun.attempt if self.rerun is not None else 0
+        faults = [f for f in self.loss_faults if f.applies(self.ps.rank, iteration, attempt)]  # their test hook
+        if self.logit_spike is not None:
+            self.logit_spike.factor = next((f.factor for f in faults if f.kind == "spike"), 1.0)
+        return torch.full(labels.shape, float("nan")) if any(f.kind == "nan" for f in faults) else None
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the batch's loss, optimizer updated?, grad norm), as device tensors. The loss is the DP x CP mean of
@@ -235,11 +224,41 @@ class Trainer:
 
         The step's phases, in order (the module docstring): ``forward_backward``, ``update_fp8_scales``,
         ``prepare_optimizer_step``, ``apply_optimizer_step``. Up to ``apply_optimizer_step`` no parameter or
-        optimizer state has changed, so a StepState captured before the step can restore it for a re-run."""
+        optimizer state has changed, so a StepState captured before the step can restore it for a re-run.
+
+        With any result check on (the default: megafp8.training.rerun) the phases run through
+        ``checked_train_step``, which judges the step between ``prepare_optimizer_step`` and
+        ``apply_optimizer_step``; None then says that the previous step turned out suspicious and was re-run in
+        this one's place (and counted): this iteration starts over."""
+        if self.rerun is not None:
+            return self.checked_train_step()
         loss = self.forward_backward()
         self.update_fp8_scales()
         result = self.apply_optimizer_step(self.prepare_optimizer_step())
-        return _mean_over(loss, self.ps.dp_group.group), ~result.skipped_flag, result.grad_norm_tensor
+        return self.dp_mean_loss(loss), ~result.skipped_flag, result.grad_norm_tensor
+
+    def dp_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The batch's loss from this rank's (``train_step``'s rule), on the device."""
+        return _mean_over(loss, self.ps.dp_group.group)
+
+    def checked_train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``train_step`` under the result checks (megafp8.training.rerun). None when the previous step turned out
+        suspicious and was re-run instead of this one (and counted): this iteration then starts over."""
+        rerun = self.rerun
+        if rerun.mode == "report_stats":
+            return rerun.run_twice(self)
+        state = rerun.capture(self)
+        loss = self.forward_backward()
+        self.update_fp8_scales()
+        stats = rerun.screen(self, loss, self.prepare_optimizer_step(), state)
+        earlier = rerun.lagged_suspect()  # the previous step's verdict, read while this step's work is queued
+        if earlier is not None:
+            outcome = rerun.handle(self, earlier)
+            if outcome is not None:  # this attempt was dropped by the restore
+                self._account(*outcome)
+                return None
+        result = self.apply_optimizer_step(stats)
+        return self.dp_mean_loss(loss), ~result.skipped_flag, result.grad_norm_tensor
 
     def forward_backward(self) -> torch.Tensor:
         """Phase 1: a zeroed grad buffer, the next global batch, forward and backward of its micro-batches; this
@@ -255,6 +274,10 @@ class Trainer:
             self.injected_stall.maybe_sleep(self.ps.rank, self.progress.iteration + 1)
         inputs, labels = self._global_batch(self.train_batches)
         loss_mask = self.loss_mask(labels)
+        if self.poisoned_sample is not None:  # its test hook learns which samples each micro-batch holds
+            self.poisoned_sample.arm(rank_sample_indices(self.progress.consumed_samples, self.args.micro_batch_size,
+                                                         self.args.num_micro_batches, self.ps.data_parallel_rank,
+                                                         self.ps.dp_size))
         for hook, layer in self.test_hooks:
             if layer is not None:
                 hook.arm(layer, self.progress.iteration + 1)
@@ -311,7 +334,7 @@ class Trainer:
         self.ps.comm.reset()  # setup traffic (the first parameter gather, a checkpoint load) is no iteration's
         self.ps.comm.take_wait_seconds()
         start_time = self.start_time = time.monotonic()
-        window_start, window_iters = time.perf_counter(), 0
+        window_start, self._window_iters = time.perf_counter(), 0
         # This run's skipped / NaN iterations so far, on the device; folded into `p` when read.
         device = self.optimizer.master_scale.device
         self._new_skipped = torch.zeros((), dtype=torch.int64, device=device)
@@ -334,52 +357,45 @@ class Trainer:
                         enable_kurtosis(self.ddp.module, True)
                 lr = self.schedule(p.consumed_samples)
                 self.profiler.before_iteration(p.iteration)
-                loss, updated, grad_norm = self.train_step()
-                p.iteration += 1
+                outcome = self.train_step()
+                if outcome is None:  # the previous step was re-run instead: this one starts over
+                    continue
+                self._account(*outcome)
                 self.profiler.after_iteration(p.iteration)
-                p.consumed_samples += args.global_batch_size
-                window_iters += 1
-                skipped = ~updated.to(device)
-                self._new_skipped += skipped
-                # NaN iterations: a NaN loss or grad norm; under --fp16 the loss only (an overflow is the scaler's
-                # business, as Megatron counts it: skipped, not NaN).
-                finite = torch.isfinite(loss.to(device))
-                if self.loss_scaler is None:
-                    finite &= torch.isfinite(grad_norm)
-                self._new_nan += skipped & ~finite
+                if self._reads_device_after(p.iteration):  # a suspicious step is dealt with before it is logged
+                    outcome = self._resolve_suspicious_step() or outcome
+                loss, updated, grad_norm = outcome
                 if p.iteration % args.log_interval == 0:
                     # Read first: on a GPU the host runs ahead, and the read waits for the window's last step.
                     scale = [self.loss_scaler.scale] if self.loss_scaler is not None else []
                     loss, grad_norm, *scale = self._read_counters(loss, grad_norm, *scale)
-                    elapsed = (time.perf_counter() - window_start) / window_iters
-                    work = self._rank_work_ms(elapsed, window_iters)
+                    elapsed = (time.perf_counter() - window_start) / self._window_iters
+                    work = self._rank_work_ms(elapsed, self._window_iters)
                     moe = (collect_moe_stats(self.pipeline.chunks, self.ps.amax_group, self.ps.pp_group,
                                              self.ps.dp_size) if self.has_moe else {})
                     self._log(loss, lr, grad_norm, elapsed, self._collect_telemetry() if telemetry else None,
                               collect_block_scale_histograms(self.ddp.module) if telemetry else None,
-                              loss_scale=scale[0] if scale else None, moe=moe, rank_work_ms=work)
+                              loss_scale=scale[0] if scale else None, moe=moe, rank_work_ms=work,
+                              rerun_differences=self.rerun.take_differences() if self.rerun is not None else None)
                     self._log_guard_switches()
-                    window_start, window_iters = time.perf_counter(), 0
+                    window_start, self._window_iters = time.perf_counter(), 0
                 if self.valid_batches is not None and args.eval_iters > 0 and p.iteration % args.eval_interval == 0:
                     self._beat(p.iteration, "evaluation")
                     self._evaluate_and_log()
                 stop_now = (self._stop_decision_due() and self._must_stop(stop, start_time)) or (
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
+                if stop_now:  # (a signal may stop a one-process run at an iteration that reads nothing else)
+                    self._resolve_suspicious_step()
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
-                    self._read_counters()
-                    self._beat(p.iteration, "save")
-                    self.checkpointer.save(self)
-                    self._collect_after_save()
+                    self.save_checkpoint()
                 if args.manual_gc and args.manual_gc_interval and p.iteration % args.manual_gc_interval == 0:
                     gc.collect()
                 if stop_now:
                     break
             else:
                 if self.checkpointer is not None and (args.save_interval is None or p.iteration % args.save_interval):
-                    self._read_counters()
-                    self.checkpointer.save(self)  # the final state, unless the last interval just saved it
-                    self._collect_after_save()
+                    self.save_checkpoint()  # the final state, unless the last interval just saved it
             self._log_guard_switches()  # those after the last logged iteration
             if self.checkpointer is not None:  # --async-save: the last save commits before the run ends
                 self.checkpointer.finish()
@@ -393,6 +409,62 @@ class Trainer:
                 gc.enable()
         self._read_counters()
         return p
+
+    def _account(self, loss: torch.Tensor, updated: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Count a finished step: the progress, and the skipped / NaN iterations (on the device)."""
+        p = self.progress
+        p.iteration += 1
+        p.consumed_samples += self.args.global_batch_size
+        self._window_iters += 1
+        device = self._new_skipped.device
+        skipped = ~updated.to(device)
+        self._new_skipped += skipped
+        # NaN iterations: a NaN loss or grad norm; under --fp16 the loss only (an overflow is the scaler's
+        # business, as Megatron counts it: skipped, not NaN).
+        finite = torch.isfinite(loss.to(device))
+        if self.loss_scaler is None:
+            finite &= torch.isfinite(grad_norm)
+        self._new_nan += skipped & ~finite
+
+    def _reads_device_after(self, iteration: int) -> bool:
+        """Whether the loop reads the device after this iteration anyway (log, evaluation, save, exit, the end):
+        there the result checks' verdict of the step is read at once."""
+        args = self.args
+
+        def due(interval: int | None) -> bool:
+            return bool(interval) and iteration % interval == 0
+        return self.rerun is not None and (
+            iteration == self.train_iters or due(args.log_interval) or due(args.exit_interval)
+            or (self.checkpointer is not None and due(args.save_interval))
+            or (self.valid_batches is not None and args.eval_iters > 0 and due(args.eval_interval)))
+
+    def _resolve_suspicious_step(self) -> tuple | None:
+        """If the checks found the step just run suspicious: deal with it now (megafp8.training.rerun); returns
+        its re-run's (loss, updated, grad norm), counted, or None (nothing re-run)."""
+        entry = self.rerun.current_suspect() if self.rerun is not None else None
+        outcome = self.rerun.handle(self, entry) if entry is not None else None
+        if outcome is not None:
+            self._account(*outcome)
+        return outcome
+
+    def save_checkpoint(self) -> None:
+        """Save the current state (every rank): the device counters folded first, so the checkpoint holds them."""
+        self._read_counters()
+        if self.rerun is not None and self.rerun.checks.check_spike:
+            state = self.rerun.checks.state_dict()
+            self.progress.spike_reference, self.progress.spike_samples = state["reference"], state["seen"]
+        self._beat(self.progress.iteration, "save")
+        self.checkpointer.save(self)
+        self._collect_after_save()
+
+    def _poisoned_sample(self) -> PoisonedSample | None:
+        """MEGAFP8_TEST_POISON_SAMPLE's hook on the module it names (megafp8.training.fault_injection)."""
+        poison = PoisonedSample.from_env()
+        if poison is None:
+            return None
+        if not _on_any_rank(poison.target(self.ddp.module) is not None):
+            raise ValueError(f"MEGAFP8_TEST_POISON_SAMPLE: the model has no module {poison.module!r}")
+        return poison
 
     def _rank_work_ms(self, seconds_per_iteration: float, iterations: int) -> list[float] | None:
         """Every rank's time per iteration of the window outside collective waits (several ranks only; every rank
@@ -455,7 +527,7 @@ class Trainer:
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry,
              histograms=None, loss_scale: float | None = None, moe: dict | None = None,
-             rank_work_ms: list[float] | None = None) -> None:
+             rank_work_ms: list[float] | None = None, rerun_differences: tuple[float, float] | None = None) -> None:
         tflops = self.flops / seconds_per_iteration / self.ps.world_size / 1e12
         record = IterationRecord(
             iteration=self.progress.iteration, train_iters=self.train_iters,
@@ -469,7 +541,9 @@ class Trainer:
             mfu_bf16=tflops / self.peak[0] if self.peak else None, mfu_fp8=tflops / self.peak[1] if self.peak else None,
             elapsed_s=time.monotonic() - self.start_time,
             eta_s=seconds_per_iteration * (self.train_iters - self.progress.iteration), **(moe or {}),
-            rank_work_ms=rank_work_ms)
+            rank_work_ms=rank_work_ms,
+            rerun_loss_rel_diff=rerun_differences[0] if rerun_differences else None,
+            rerun_grad_norm_rel_diff=rerun_differences[1] if rerun_differences else None)
         if self.is_logging_rank:
             print(record.console_line(), flush=True)
             self.log.log_iteration(record, telemetry, histograms)

@@ -62,6 +62,9 @@ class IterationRecord:
     moe_tokens_per_expert: dict[str, list[int]] | None = None
     # Several ranks: each rank's time per iteration outside collective waits (megafp8.training.stragglers)
     rank_work_ms: list[float] | None = None
+    # --rerun-mode report_stats: the window's largest relative differences between a step's two runs (any rank)
+    rerun_loss_rel_diff: float | None = None
+    rerun_grad_norm_rel_diff: float | None = None
     # Console only (not metrics.jsonl): wall time since this process started training, and the time the
     # remaining iterations take at this record's rate.
     elapsed_s: float | None = None
@@ -83,6 +86,8 @@ class IterationRecord:
             f"grad norm: {self.grad_norm:.3f}",
             f"number of skipped iterations: {self.skipped_iterations:3d}",
             f"number of nan iterations: {self.nan_iterations:3d}",
+            *([f"re-run loss / grad norm rel. diff: {self.rerun_loss_rel_diff:.3E} / "
+               f"{self.rerun_grad_norm_rel_diff:.3E}"] if self.rerun_loss_rel_diff is not None else []),
         ]
         if self.mfu_bf16 is not None:
             fields.insert(4, f"MFU vs BF16 / FP8 peak: {100 * self.mfu_bf16:.1f}% / {100 * self.mfu_fp8:.1f}%")
@@ -101,6 +106,8 @@ class IterationRecord:
             del record["moe_aux_loss"], record["moe_z_loss"], record["moe_tokens_per_expert"]
         if self.rank_work_ms is None:
             del record["rank_work_ms"]
+        if self.rerun_loss_rel_diff is None:  # the keys are --rerun-mode report_stats'
+            del record["rerun_loss_rel_diff"], record["rerun_grad_norm_rel_diff"]
         record["comm_bytes"] = {kind: int(self.comm_bytes.get(kind, 0)) for kind in COMM_KINDS}
         return {k: _finite_or_none(v) for k, v in record.items()}
 

@@ -63,7 +63,8 @@ from megafp8.training.flops import flops_per_iteration  # noqa: E402
 from megafp8.training.megatron_flags import LLAMA_FLAGS  # noqa: E402
 from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args  # noqa: E402
 from megafp8.training.run import build_training_state  # noqa: E402
-from megafp8.training.train import learning_rate_schedule, saturation_guard  # noqa: E402
+from megafp8.training.schedules import learning_rate_schedule  # noqa: E402
+from megafp8.training.train import saturation_guard  # noqa: E402
 from megafp8.training.training_log import device_peak_tflops  # noqa: E402
 
 # examples/pretrain_single_gpu.sh, without its data, checkpoint and log flags (tests/test_bench_host_overhead.py
