@@ -1,5 +1,10 @@
-"""Test hooks that fault a training step, for the result checks and step re-runs (unset in real runs).
+"""Test hooks that fault a training step (unset in real runs), and ``FaultInjection``, which wires every hook the
+environment sets to one rank's model.
 
+    MEGAFP8_INJECT_NAN_AT_ITERATION=N
+        iteration N's loss is NaN on the logging rank, on every attempt (a NaN loss mask): the skipped-step tests.
+    MEGAFP8_FORCE_FP8_OVERFLOW / MEGAFP8_FORCE_OUTLIER
+        an FP8 layer's overflow or growing outlier (megafp8.fp8.forced_overflow / forced_outlier): the guard's tests.
     MEGAFP8_TEST_LOSS_FAULT=KIND:RANK@ITERATION[xFACTOR][:once][,...]
         KIND nan: RANK's loss at ITERATION is NaN (a NaN loss mask, so its gradients are too);
         KIND spike: RANK's logits at ITERATION are FACTOR (default 100) x larger, and so its loss and gradients
@@ -21,6 +26,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from megafp8.fp8.forced_outlier import ForcedOutlier
+from megafp8.fp8.forced_overflow import ForcedOverflow
+from megafp8.training.stopping import on_any_rank
 
 LOSS_FAULT_ENV = "MEGAFP8_TEST_LOSS_FAULT"
 POISON_SAMPLE_ENV = "MEGAFP8_TEST_POISON_SAMPLE"
@@ -113,3 +122,47 @@ def rank_sample_indices(consumed_samples: int, micro_batch_size: int, num_micro_
     step = micro_batch_size * dp_size
     return [[consumed_samples + m * step + dp_rank * micro_batch_size + j for j in range(micro_batch_size)]
             for m in range(num_micro_batches)]
+
+
+class FaultInjection:
+    """Every test hook the environment sets, looked up once on this rank's model (each checked to name something
+    some rank holds); ``arm`` before each attempt of a step, ``loss_mask`` for its loss mask."""
+
+    def __init__(self, model: nn.Module, rank: int, computes_loss: bool, announce: bool) -> None:
+        self.rank = rank
+        self.nan_at_iteration = int(os.environ.get("MEGAFP8_INJECT_NAN_AT_ITERATION", "0")) if computes_loss else 0
+        self.layer_hooks = []  # [(hook, its layer on this rank or None)]
+        for hook in filter(None, (ForcedOverflow.from_env(), ForcedOutlier.from_env())):
+            layer = hook.target(model)
+            if not on_any_rank(layer is not None):
+                raise ValueError(f"{hook.ENV}: the model has no layer {hook.layer!r} (names as in the FP8 telemetry "
+                                 "tags, e.g. layers.0.mlp.linear_fc2)")
+            if announce:
+                print(f" test hook {hook.ENV}: {hook.describe()}", flush=True)
+            self.layer_hooks.append((hook, layer))
+        self.loss_faults = LossFault.all_from_env()
+        for fault in self.loss_faults:
+            if not on_any_rank(fault.rank == rank and computes_loss):
+                raise ValueError(f"{LOSS_FAULT_ENV}: rank {fault.rank} computes no loss (not a rank of the last "
+                                 "pipeline stage)")
+        self.logit_spike = LogitSpike(model) if any(f.kind == "spike" for f in self.loss_faults) else None
+        self.poisoned_sample = PoisonedSample.from_env()
+        if self.poisoned_sample is not None and not on_any_rank(self.poisoned_sample.target(model) is not None):
+            raise ValueError(f"{POISON_SAMPLE_ENV}: the model has no module {self.poisoned_sample.module!r}")
+
+    def arm(self, iteration: int, attempt: int, micro_batches: list[list[int]]) -> None:
+        """Before an attempt of step ``iteration`` whose micro-batches hold these training-split indices."""
+        for hook, layer in self.layer_hooks:
+            if layer is not None:
+                hook.arm(layer, iteration)
+        if self.logit_spike is not None:
+            self.logit_spike.factor = next((f.factor for f in self.loss_faults if f.kind == "spike"
+                                            and f.applies(self.rank, iteration, attempt)), 1.0)
+        if self.poisoned_sample is not None:
+            self.poisoned_sample.arm(micro_batches)
+
+    def loss_mask(self, shape: torch.Size, iteration: int, attempt: int) -> torch.Tensor | None:
+        """A NaN loss mask where a hook asks for one, else None (every token counts)."""
+        nan = iteration == self.nan_at_iteration or any(
+            f.kind == "nan" and f.applies(self.rank, iteration, attempt) for f in self.loss_faults)
+        return torch.full(shape, float("nan")) if nan else None

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from megafp8.fp8 import collect_fp8_telemetry, enable_fp8_telemetry
-from megafp8.training.fault_injection import rank_sample_indices
 from megafp8.training.flight_record import NonFiniteFinder, first_nonfinite, gather_to_all, write_flight_record
 from megafp8.training.result_checks import HostFlag, ResultChecks, Verdict
 from megafp8.training.rerun_flags import EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE
@@ -76,6 +75,45 @@ class RerunStateMachine:
         # report_stats: the window's largest relative differences between a step's two runs (device tensors)
         self.loss_diff = torch.zeros((), dtype=torch.float64, device=self.checks.reference.device)
         self.norm_diff = torch.zeros_like(self.loss_diff)
+
+    # ---- the training loop's side ------------------------------------------------------------
+    def step(self, trainer):
+        """``Trainer.train_step`` under the checks: (loss, updated, grad norm), or None when the previous step turned
+        out suspicious and was re-run in this one's place (and counted): the loop then starts this iteration over."""
+        if self.mode == "report_stats":
+            return self.run_twice(trainer)
+        state = self.capture(trainer)
+        loss = trainer.forward_backward()
+        trainer.update_fp8_scales()
+        stats = self.screen(trainer, loss, trainer.prepare_optimizer_step(), state)
+        earlier = self.lagged_suspect()  # the previous step's verdict, read while this step's work is queued
+        if earlier is not None:
+            outcome = self.handle(trainer, earlier)
+            if outcome is not None:  # this attempt was dropped by the restore
+                trainer.account(*outcome)
+                return None
+        result = trainer.apply_optimizer_step(stats)
+        return trainer.dp_mean_loss(loss), ~result.skipped_flag, result.grad_norm_tensor
+
+    def reads_device_after(self, trainer, iteration: int) -> bool:
+        """Whether the loop reads the device after this iteration anyway (log, evaluation, save, exit, the end):
+        there the step's verdict is read at once."""
+        args = trainer.args
+
+        def due(interval: int | None) -> bool:
+            return bool(interval) and iteration % interval == 0
+        return (iteration == trainer.train_iters or due(args.log_interval) or due(args.exit_interval)
+                or (trainer.checkpointer is not None and due(args.save_interval))
+                or (trainer.valid_batches is not None and args.eval_iters > 0 and due(args.eval_interval)))
+
+    def resolve_now(self, trainer):
+        """If the step just run is suspicious, deal with it now: its re-run's (loss, updated, grad norm), counted,
+        or None (nothing re-run)."""
+        entry = self.current_suspect()
+        outcome = self.handle(trainer, entry) if entry is not None else None
+        if outcome is not None:
+            trainer.account(*outcome)
+        return outcome
 
     # ---- every step -------------------------------------------------------------------------
     def capture(self, trainer) -> StepState | None:
@@ -158,9 +196,7 @@ class RerunStateMachine:
 
     def _run_again(self, trainer, entry: _Pending):
         """Step ``entry.iteration`` again from the restored state, with the non-finite finder's hooks."""
-        micro_batches = rank_sample_indices(entry.consumed_samples, trainer.args.micro_batch_size,
-                                            trainer.args.num_micro_batches, trainer.ps.data_parallel_rank,
-                                            trainer.ps.dp_size)
+        micro_batches = trainer.sample_indices(entry.consumed_samples)
         if trainer.recipe is not None:
             enable_fp8_telemetry(trainer.ddp.module, True)
         finder = NonFiniteFinder(trainer.ddp.module, micro_batches)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,8 +33,6 @@ import torch
 import torch.distributed as dist
 
 from megafp8.fp8 import Fp8Recipe, SaturationGuard, collect_fp8_telemetry, enable_fp8_telemetry
-from megafp8.fp8.forced_outlier import ForcedOutlier
-from megafp8.fp8.forced_overflow import ForcedOverflow
 from megafp8.fp8.kurtosis import KurtosisWarning, collect_kurtosis, enable_kurtosis
 from megafp8.fp8.rounding_keys import begin_rounding_iteration
 from megafp8.fp8.telemetry import collect_block_scale_histograms
@@ -48,12 +44,13 @@ from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
 from megafp8.training.arguments import hang_timeout_minutes
 from megafp8.training.flops import flops_per_iteration, moe_flops_args
-from megafp8.training.fault_injection import LogitSpike, LossFault, PoisonedSample, rank_sample_indices
+from megafp8.training.fault_injection import FaultInjection, rank_sample_indices
 from megafp8.training.hang_watchdog import HangWatchdog, InjectedStall
 from megafp8.training.rerun import RerunStateMachine
 from megafp8.training.rerun_flags import checks_enabled
 from megafp8.training.profiling import IterationProfiler
 from megafp8.training.schedules import decoupled_learning_rate_schedule, learning_rate_schedule
+from megafp8.training.stopping import StopSignal, on_any_rank
 from megafp8.training.stragglers import gather_work_ms, straggler_line
 from megafp8.training.training_log import IterationRecord, TrainingLog, device_peak_tflops
 
@@ -75,29 +72,6 @@ class TrainProgress:
     spike_samples: int = 0
 
 
-# Test hook, unset in real runs: MEGAFP8_INJECT_NAN_AT_ITERATION=N makes iteration N's loss NaN on the logging
-# rank (a NaN loss mask, multiplied into the loss before backward), so tests/test_training_3d.py can check that a
-# non-finite step is skipped on every rank, counted in the log line and metrics, and that training continues.
-_INJECT_NAN_AT_ITERATION = int(os.environ.get("MEGAFP8_INJECT_NAN_AT_ITERATION", "0"))
-
-
-class StopSignal:
-    """SIGTERM/SIGINT ask the loop to finish the current step, save and exit 0 (a scheduler's preemption)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def _mean_over(value: torch.Tensor, group) -> torch.Tensor:
     """Average of a scalar over a group (the DP replicas' losses), left on the device (no host sync).
     Logging-sized: not byte-counted."""
@@ -106,18 +80,6 @@ def _mean_over(value: torch.Tensor, group) -> torch.Tensor:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
     return value.reshape(())
-
-
-def _on_any_rank(value: bool) -> bool:
-    """True on every rank if `value` is True on any (one MAX all-reduce over the world; the flag lives on the
-    device the default group reduces: CUDA under NCCL). A one-process world (a plain run, or torchrun with one
-    worker) has nothing to agree on: no collective, no device read."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([float(value)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def saturation_guard(parallel_state: ParallelState, threshold: float = 1e-2, patience: int = 3,
@@ -160,7 +122,9 @@ class Trainer:
         self.is_stage_lead = ps.coords.tp == 0 and ps.coords.cp == 0 and ps.coords.dp == 0
         # Under expert parallelism an expert's first holder speaks for the guard's switches of its experts.
         self.is_expert_lead = ps.ep_size > 1 and ps.group("expert_amax").rank == 0
-        self.test_hooks = self._test_hooks()  # [(hook, its layer on this rank or None)]
+        # The test hooks the environment sets (megafp8.training.fault_injection; none in real runs).
+        self.faults = FaultInjection(self.ddp.module, ps.rank, computes_loss=ps.coords.pp == ps.pp_size - 1,
+                                     announce=self.is_logging_rank)
         self.train_data, self.valid_data = build_datasets(args)
         self.train_batches = batches(self.train_data, self.progress.consumed_samples, args, parallel_state)
         self.valid_batches = (batches(self.valid_data, self.progress.consumed_valid_samples, args, parallel_state,
@@ -177,13 +141,6 @@ class Trainer:
         self.has_moe = has_moe(pipeline.chunks)
         self.injected_stall = InjectedStall.from_env()
         self.watchdog: HangWatchdog | None = None
-        self.loss_faults = LossFault.all_from_env()
-        self.logit_spike = LogitSpike(self.ddp.module) if any(f.kind == "spike" for f in self.loss_faults) else None
-        for fault in self.loss_faults:
-            if not _on_any_rank(fault.rank == ps.rank and ps.coords.pp == ps.pp_size - 1):
-                raise ValueError(f"MEGAFP8_TEST_LOSS_FAULT: rank {fault.rank} computes no loss (not a rank of the "
-                                 "last pipeline stage)")
-        self.poisoned_sample = self._poisoned_sample()
         # The result checks and step re-runs (megafp8.training.rerun); None when every check is off.
         self.rerun = RerunStateMachine(self) if checks_enabled(args) else None
         if self.rerun is not None:
@@ -205,15 +162,12 @@ class Trainer:
 
     def loss_mask(self, labels: torch.Tensor) -> torch.Tensor | None:
         """The loss mask of this rank's share of the batch (like `labels`); None: every token counts, as the
-        data has no mask. Also where the NaN test hook above comes in (and tests give uneven masks)."""
-        iteration = self.progress.iteration + 1
-        if self.is_logging_rank and iteration == _INJECT_NAN_AT_ITERATION:
-            return torch.full(labels.shape, float("nan"))
-        attempt = self.rerun.attempt if self.rerun is not None else 0
-        faults = [f for f in self.loss_faults if f.applies(self.ps.rank, iteration, attempt)]  # their test hook
-        if self.logit_spike is not None:
-            self.logit_spike.factor = next((f.factor for f in faults if f.kind == "spike"), 1.0)
-        return torch.full(labels.shape, float("nan")) if any(f.kind == "nan" for f in faults) else None
+        data has no mask. Also where the NaN test hooks come in (and tests give uneven masks)."""
+        return self.faults.loss_mask(labels.shape, self.progress.iteration + 1, self._attempt())
+
+    def _attempt(self) -> int:
+        """0: a step's first run; 1: its re-run (megafp8.training.rerun)."""
+        return self.rerun.attempt if self.rerun is not None else 0
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the batch's loss, optimizer updated?, grad norm), as device tensors. The loss is the DP x CP mean of
@@ -227,11 +181,11 @@ class Trainer:
         optimizer state has changed, so a StepState captured before the step can restore it for a re-run.
 
         With any result check on (the default: megafp8.training.rerun) the phases run through
-        ``checked_train_step``, which judges the step between ``prepare_optimizer_step`` and
+        ``RerunStateMachine.step``, which judges the step between ``prepare_optimizer_step`` and
         ``apply_optimizer_step``; None then says that the previous step turned out suspicious and was re-run in
         this one's place (and counted): this iteration starts over."""
         if self.rerun is not None:
-            return self.checked_train_step()
+            return self.rerun.step(self)
         loss = self.forward_backward()
         self.update_fp8_scales()
         result = self.apply_optimizer_step(self.prepare_optimizer_step())
@@ -240,25 +194,6 @@ class Trainer:
     def dp_mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The batch's loss from this rank's (``train_step``'s rule), on the device."""
         return _mean_over(loss, self.ps.dp_group.group)
-
-    def checked_train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``train_step`` under the result checks (megafp8.training.rerun). None when the previous step turned out
-        suspicious and was re-run instead of this one (and counted): this iteration then starts over."""
-        rerun = self.rerun
-        if rerun.mode == "report_stats":
-            return rerun.run_twice(self)
-        state = rerun.capture(self)
-        loss = self.forward_backward()
-        self.update_fp8_scales()
-        stats = rerun.screen(self, loss, self.prepare_optimizer_step(), state)
-        earlier = rerun.lagged_suspect()  # the previous step's verdict, read while this step's work is queued
-        if earlier is not None:
-            outcome = rerun.handle(self, earlier)
-            if outcome is not None:  # this attempt was dropped by the restore
-                self._account(*outcome)
-                return None
-        result = self.apply_optimizer_step(stats)
-        return self.dp_mean_loss(loss), ~result.skipped_flag, result.grad_norm_tensor
 
     def forward_backward(self) -> torch.Tensor:
         """Phase 1: a zeroed grad buffer, the next global batch, forward and backward of its micro-batches; this
@@ -273,14 +208,8 @@ class Trainer:
         if self.injected_stall is not None:  # the hang watchdog's test hook: this rank stalls here
             self.injected_stall.maybe_sleep(self.ps.rank, self.progress.iteration + 1)
         inputs, labels = self._global_batch(self.train_batches)
+        self.faults.arm(self.progress.iteration + 1, self._attempt(), self.sample_indices())
         loss_mask = self.loss_mask(labels)
-        if self.poisoned_sample is not None:  # its test hook learns which samples each micro-batch holds
-            self.poisoned_sample.arm(rank_sample_indices(self.progress.consumed_samples, self.args.micro_batch_size,
-                                                         self.args.num_micro_batches, self.ps.data_parallel_rank,
-                                                         self.ps.dp_size))
-        for hook, layer in self.test_hooks:
-            if layer is not None:
-                hook.arm(layer, self.progress.iteration + 1)
         loss = self.pipeline.forward_backward(inputs, labels, loss_mask)
         if self.args.empty_unused_memory_level >= 1:  # Megatron's places: level 1 after forward/backward,
             torch.cuda.empty_cache()                   # level 2 after the optimizer step as well
@@ -360,10 +289,10 @@ class Trainer:
                 outcome = self.train_step()
                 if outcome is None:  # the previous step was re-run instead: this one starts over
                     continue
-                self._account(*outcome)
+                self.account(*outcome)
                 self.profiler.after_iteration(p.iteration)
-                if self._reads_device_after(p.iteration):  # a suspicious step is dealt with before it is logged
-                    outcome = self._resolve_suspicious_step() or outcome
+                if self.rerun is not None and self.rerun.reads_device_after(self, p.iteration):
+                    outcome = self.rerun.resolve_now(self) or outcome  # a suspicious step: before it is logged
                 loss, updated, grad_norm = outcome
                 if p.iteration % args.log_interval == 0:
                     # Read first: on a GPU the host runs ahead, and the read waits for the window's last step.
@@ -384,8 +313,8 @@ class Trainer:
                     self._evaluate_and_log()
                 stop_now = (self._stop_decision_due() and self._must_stop(stop, start_time)) or (
                     args.exit_interval is not None and p.iteration % args.exit_interval == 0)
-                if stop_now:  # (a signal may stop a one-process run at an iteration that reads nothing else)
-                    self._resolve_suspicious_step()
+                if stop_now and self.rerun is not None:  # (a signal may stop a one-process run at any iteration)
+                    self.rerun.resolve_now(self)
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
                     self.save_checkpoint()
@@ -410,7 +339,7 @@ class Trainer:
         self._read_counters()
         return p
 
-    def _account(self, loss: torch.Tensor, updated: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def account(self, loss: torch.Tensor, updated: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Count a finished step: the progress, and the skipped / NaN iterations (on the device)."""
         p = self.progress
         p.iteration += 1
@@ -426,27 +355,6 @@ class Trainer:
             finite &= torch.isfinite(grad_norm)
         self._new_nan += skipped & ~finite
 
-    def _reads_device_after(self, iteration: int) -> bool:
-        """Whether the loop reads the device after this iteration anyway (log, evaluation, save, exit, the end):
-        there the result checks' verdict of the step is read at once."""
-        args = self.args
-
-        def due(interval: int | None) -> bool:
-            return bool(interval) and iteration % interval == 0
-        return self.rerun is not None and (
-            iteration == self.train_iters or due(args.log_interval) or due(args.exit_interval)
-            or (self.checkpointer is not None and due(args.save_interval))
-            or (self.valid_batches is not None and args.eval_iters > 0 and due(args.eval_interval)))
-
-    def _resolve_suspicious_step(self) -> tuple | None:
-        """If the checks found the step just run suspicious: deal with it now (megafp8.training.rerun); returns
-        its re-run's (loss, updated, grad norm), counted, or None (nothing re-run)."""
-        entry = self.rerun.current_suspect() if self.rerun is not None else None
-        outcome = self.rerun.handle(self, entry) if entry is not None else None
-        if outcome is not None:
-            self._account(*outcome)
-        return outcome
-
     def save_checkpoint(self) -> None:
         """Save the current state (every rank): the device counters folded first, so the checkpoint holds them."""
         self._read_counters()
@@ -457,14 +365,12 @@ class Trainer:
         self.checkpointer.save(self)
         self._collect_after_save()
 
-    def _poisoned_sample(self) -> PoisonedSample | None:
-        """MEGAFP8_TEST_POISON_SAMPLE's hook on the module it names (megafp8.training.fault_injection)."""
-        poison = PoisonedSample.from_env()
-        if poison is None:
-            return None
-        if not _on_any_rank(poison.target(self.ddp.module) is not None):
-            raise ValueError(f"MEGAFP8_TEST_POISON_SAMPLE: the model has no module {poison.module!r}")
-        return poison
+    def sample_indices(self, consumed_samples: int | None = None) -> list[list[int]]:
+        """The training-split indices of this rank's micro-batches of the step starting at ``consumed_samples``
+        (default: the next step's)."""
+        consumed = self.progress.consumed_samples if consumed_samples is None else consumed_samples
+        return rank_sample_indices(consumed, self.args.micro_batch_size, self.args.num_micro_batches,
+                                   self.ps.data_parallel_rank, self.ps.dp_size)
 
     def _rank_work_ms(self, seconds_per_iteration: float, iterations: int) -> list[float] | None:
         """Every rank's time per iteration of the window outside collective waits (several ranks only; every rank
@@ -523,7 +429,7 @@ class Trainer:
         must save it): one MAX all-reduce of the local verdict, at the iterations `_stop_decision_due` names."""
         limit = self.args.exit_duration_in_mins
         out_of_time = limit is not None and time.monotonic() - start_time > 60 * limit
-        return _on_any_rank(stop.requested or out_of_time)
+        return on_any_rank(stop.requested or out_of_time)
 
     def _log(self, loss: float, lr: float, grad_norm: float, seconds_per_iteration: float, telemetry,
              histograms=None, loss_scale: float | None = None, moe: dict | None = None,
@@ -582,21 +488,6 @@ class Trainer:
         if self.is_logging_rank:
             for event in events:
                 self.log.log_guard_switch(**event)
-
-    def _test_hooks(self) -> list[tuple]:
-        """The forced-overflow and forced-outlier test hooks (megafp8.fp8.forced_overflow / forced_outlier) set in
-        the environment, each checked to name a layer of some stage, with that layer if this rank holds it (looked
-        up once, not every step)."""
-        hooks = []
-        for hook in filter(None, (ForcedOverflow.from_env(), ForcedOutlier.from_env())):
-            layer = hook.target(self.ddp.module)
-            if not _on_any_rank(layer is not None):
-                raise ValueError(f"{hook.ENV}: the model has no layer {hook.layer!r} (names as in the FP8 telemetry "
-                                 "tags, e.g. layers.0.mlp.linear_fc2)")
-            if self.is_logging_rank:
-                print(f" test hook {hook.ENV}: {hook.describe()}", flush=True)
-            hooks.append((hook, layer))
-        return hooks
 
     def _log_validation(self, val_loss: float) -> None:
         if self.is_logging_rank:
