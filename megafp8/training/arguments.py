@@ -20,6 +20,7 @@ from megafp8.model.rotary import Llama3RopeScaling
 from megafp8.optim.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from megafp8.training import megatron_flags
 from megafp8.training.compilation import add_compile_flags, compile_errors
+from megafp8.training.non_persistent import add_non_persistent_flags, non_persistent_errors
 from megafp8.training.rerun_flags import add_rerun_flags, fill_rerun_mode, rerun_errors
 from megafp8.optim.loss_scaler import loss_scale_errors
 from megafp8.training.block_flags import add_block_flags, block_errors
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="math-changing flags (e.g. lr clip-grad) that may differ from the checkpoint's on --load "
                         "(the run then continues with the new values)")
 
+    add_non_persistent_flags(g)
     megatron_flags.add_checkpoint_flags(g)
 
     g = p.add_argument_group("logging")
@@ -339,7 +341,7 @@ def parse_and_check(argv: Sequence[str] | None = None, world_size: int = 1) -> t
     warnings = _fill_defaults(args, world_size)
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     return args, argument_errors(args, world_size) + block_errors(args, given) + microscaling_errors(args, given) \
-        + moe_flag_errors(args) + rerun_errors(args, given), \
+        + moe_flag_errors(args) + rerun_errors(args, given) + non_persistent_errors(args), \
         warnings
 
 

@@ -23,6 +23,7 @@ from megafp8.checkpoint.async_save import AsyncCheckpointWriter
 from megafp8.checkpoint.coordination import run_agreed
 from megafp8.checkpoint.save_load import checkpoint_state
 from megafp8.parallel.parallel_state import ParallelState
+from megafp8.training.non_persistent import global_dir, load_local_checkpoint, resume_source, save_local_checkpoint
 
 
 class Checkpointer:
@@ -67,10 +68,24 @@ class Checkpointer:
             state[name] = torch.tensor(saved[name], dtype=state[name].dtype)
         scaler.load_state_dict(state)
 
-    def save(self, trainer) -> None:
-        """Write iteration `trainer.progress.iteration` to --save (atomic; --keep-last prunes older ones)."""
+    def save_non_persistent(self, trainer) -> None:
+        """--non-persistent-save-interval: this rank's own file (local) or the persistent format in its own
+        directory, one kept (global); megafp8.training.non_persistent."""
+        if self.args.non_persistent_ckpt_type == "local":
+            path = save_local_checkpoint(self, trainer)
+            if trainer.is_logging_rank:
+                print(f" saved local checkpoint at iteration {trainer.progress.iteration} to {path.parent}", flush=True)
+        else:
+            self.save(trainer, directory=global_dir(self.args), keep_last=1)
+
+    def save(self, trainer, directory: str | None = None, keep_last: int | None = None) -> None:
+        """Write iteration `trainer.progress.iteration` to --save, or to ``directory`` keeping ``keep_last``
+        (atomic; --keep-last prunes older ones)."""
         progress = trainer.progress
-        self.last_saved_iteration = progress.iteration
+        if directory is None:
+            self.last_saved_iteration = progress.iteration
+        directory = directory or self.args.save
+        keep_last = keep_last if keep_last is not None else self.args.keep_last
         # --overlap-param-gather defers the gather after the step to the next forward: finish it, or the
         # shards this rank does not own would be saved one step stale.
         self.optimizer.ddp.finish_param_sync()
@@ -79,9 +94,9 @@ class Checkpointer:
                      extra={"progress": asdict(progress), **self._loss_scaler_state()},
                      rng_tracker=self.chunks[0].rng, saturation_guard=self.guard,
                      model_overrides=self._overrides(self._released_weights()))
-        write = dict(args=self.args, consumed_samples=progress.consumed_samples, keep_last=self.args.keep_last)
+        write = dict(args=self.args, consumed_samples=progress.consumed_samples, keep_last=keep_last)
         if self.async_writer is None:
-            path = save_checkpoint(self.args.save, progress.iteration, model=self.chunks, **state, **write)
+            path = save_checkpoint(directory, progress.iteration, model=self.chunks, **state, **write)
             if trainer.is_logging_rank:
                 print(f" saved checkpoint at iteration {progress.iteration} to {path}", flush=True)
             return
@@ -93,7 +108,7 @@ class Checkpointer:
                 print(f" saved checkpoint at iteration {iteration} to {path} (written in the background in "
                       f"{seconds:.1f} s)", flush=True)
 
-        held = self.async_writer.start(staged, self.args.save, iteration, on_commit=committed,
+        held = self.async_writer.start(staged, directory, iteration, on_commit=committed,
                                        parallel_state=self.ps, **write)
         if speaks:
             print(f" checkpoint at iteration {iteration} staged in host memory ({held:.2f} s); writing it in the "
@@ -104,13 +119,27 @@ class Checkpointer:
         if self.async_writer is not None:
             self.async_writer.wait()
 
-    def load(self) -> dict | None:
-        """Restore from --load; returns the saved progress counters (None: nothing to resume from).
-        --finetune keeps only the weights (iteration 0, fresh optimizer and data position)."""
+    def resume(self) -> dict | None:
+        """Restore from the newest of --load and the non-persistent checkpoints (megafp8.training.non_persistent);
+        returns the saved progress counters (None: nothing to resume from)."""
+        source, iteration, line = resume_source(self.args, self.ps)
+        if line and self.ps.rank == 0:
+            print(line, flush=True)
+        if source == "local":
+            progress = load_local_checkpoint(self, iteration)
+            self.last_saved_iteration = iteration
+            return progress
+        if source == "global":
+            return self.load(global_dir(self.args))
+        return self.load()
+
+    def load(self, directory: str | None = None) -> dict | None:
+        """Restore from --load (or ``directory``); returns the saved progress counters (None: nothing to resume
+        from). --finetune keeps only the weights (iteration 0, fresh optimizer and data position)."""
         args = self.args
         template, apply = distributed_optimizer_template(self.optimizer, self.chunks, self.ps)
         released = self._released_weights()  # loaded into these buffers, not into the parameters
-        loaded = load_checkpoint(args.load, model=self.chunks, parallel_state=self.ps, optimizer_state=template,
+        loaded = load_checkpoint(directory or args.load, model=self.chunks, parallel_state=self.ps, optimizer_state=template,
                                  rng_tracker=self.chunks[0].rng, saturation_guard=self.guard, args=args,
                                  finetune=args.finetune, no_load_optim=args.no_load_optim or args.finetune,
                                  no_load_rng=args.no_load_rng or args.finetune,
@@ -118,7 +147,7 @@ class Checkpointer:
                                  model_overrides=self._overrides(released))
         if loaded is None:  # Megatron's rule (--load = --save on a first run), but said: a typo'd path shows
             if self.ps.rank == 0:
-                print(f" no checkpoint in {args.load}: starting from iteration 0", flush=True)
+                print(f" no checkpoint in {directory or args.load}: starting from iteration 0", flush=True)
             return None
         if loaded.optimizer_loaded:
             apply()  # publishes the loaded master weights into the model

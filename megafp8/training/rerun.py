@@ -103,7 +103,8 @@ class RerunStateMachine:
         def due(interval: int | None) -> bool:
             return bool(interval) and iteration % interval == 0
         return (iteration == trainer.train_iters or due(args.log_interval) or due(args.exit_interval)
-                or (trainer.checkpointer is not None and due(args.save_interval))
+                or (trainer.checkpointer is not None and (due(args.save_interval)
+                                                          or due(args.non_persistent_save_interval)))
                 or (trainer.valid_batches is not None and args.eval_iters > 0 and due(args.eval_interval)))
 
     def resolve_now(self, trainer):

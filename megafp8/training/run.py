@@ -160,9 +160,9 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
                                  read_interval=args.log_interval)
     checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
     progress = None
-    if args.load:
+    if args.load:  # the newest of --load's and the non-persistent checkpoints (Megatron-LM: with --load only)
         try:
-            saved = checkpointer.load()
+            saved = checkpointer.resume()
         except CheckpointError as e:
             if parallel_state.rank == 0:
                 print(f"megafp8-pretrain: error: {e}", file=sys.stderr, flush=True)

@@ -318,6 +318,9 @@ class Trainer:
                 if self.checkpointer is not None and (stop_now or (args.save_interval is not None
                                                                    and p.iteration % args.save_interval == 0)):
                     self.save_checkpoint()
+                elif self.checkpointer is not None and args.non_persistent_save_interval \
+                        and p.iteration % args.non_persistent_save_interval == 0:
+                    self.save_checkpoint(non_persistent=True)
                 if args.manual_gc and args.manual_gc_interval and p.iteration % args.manual_gc_interval == 0:
                     gc.collect()
                 if stop_now:
@@ -355,14 +358,18 @@ class Trainer:
             finite &= torch.isfinite(grad_norm)
         self._new_nan += skipped & ~finite
 
-    def save_checkpoint(self) -> None:
-        """Save the current state (every rank): the device counters folded first, so the checkpoint holds them."""
+    def save_checkpoint(self, non_persistent: bool = False) -> None:
+        """Save the current state (every rank): the device counters folded first, so the checkpoint holds them;
+        ``non_persistent``: to --non-persistent-ckpt-type's checkpoint instead of --save."""
         self._read_counters()
         if self.rerun is not None and self.rerun.checks.check_spike:
             state = self.rerun.checks.state_dict()
             self.progress.spike_reference, self.progress.spike_samples = state["reference"], state["seen"]
         self._beat(self.progress.iteration, "save")
-        self.checkpointer.save(self)
+        if non_persistent:
+            self.checkpointer.save_non_persistent(self)
+        else:
+            self.checkpointer.save(self)
         self._collect_after_save()
 
     def sample_indices(self, consumed_samples: int | None = None) -> list[list[int]]:
