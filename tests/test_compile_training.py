@@ -130,6 +130,18 @@ def test_compiled_3d_resume_is_bit_exact(data_prefix, tmp_path):
     assert _losses(tmp_path / "resumed") == {i: straight[i] for i in (4, 5, 6)}
 
 
+def test_a_mixture_of_experts_model_compiles_its_attention_and_runs_its_experts_eager(data_prefix, tmp_path):
+    """--num-experts with --compile: each MoE layer compiles its attention only (the router's dispatch has
+    data-dependent shapes), one graph shared by the layers, no recompilation; losses within FP8's bounds."""
+    run = [*MODEL, "--fp8-format", "hybrid", *DELAYED, "--num-experts", "4", "--moe-router-topk", "2",
+           "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.01", "--train-iters", "5",
+           "--data-path", data_prefix]
+    _pretrain(1, *run, "--log-dir", str(tmp_path / "eager"))
+    out = _pretrain(1, *run, "--compile", "--log-dir", str(tmp_path / "compiled"))
+    assert _compile_counts(out) == (1, 0)
+    _assert_within_fp8_bounds(_losses(tmp_path / "compiled"), _losses(tmp_path / "eager"))
+
+
 def test_cuda_graphs_are_refused_on_cpu_with_one_line(data_prefix):
     result = subprocess.run([sys.executable, "-m", "megafp8.pretrain", *MODEL, "--train-iters", "2", "--data-path",
                              data_prefix, "--enable-cuda-graph"], cwd=REPO_ROOT, capture_output=True, text=True,

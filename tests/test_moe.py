@@ -181,7 +181,7 @@ def test_expert_bias_moves_each_expert_towards_the_mean_load():
     (["--num-experts", "4", "--moe-layer-freq", "1,0,1"], ["one 0/1 per layer, 2 in all"]),
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
      ["--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"]),
-    (["--num-experts", "4", "--compile"], ["--num-experts with --compile: not supported yet"]),
+    (["--num-experts", "4", "--enable-cuda-graph"], ["--num-experts with --enable-cuda-graph: not supported yet"]),
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size without --num-experts"]),
     (["--num-experts", "6", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
      ["--num-experts (6) must be divisible by --expert-model-parallel-size (4)",

@@ -88,13 +88,16 @@ def compile_layers(chunks: Iterable[nn.Module], *, backend: str = "inductor", mo
                    scope: str = "full", fullgraph: bool = False) -> int:
     """Compile every transformer layer of these model chunks (GPTModel or a pipeline stage's chunk) in place
     (state dict names unchanged); returns how many modules were compiled. `scope` "attn" compiles only each
-    layer's attention. `fullgraph`: refuse a graph break (only possible without TP/SP/CP collectives)."""
+    layer's attention; a mixture-of-experts layer always compiles only its attention (its router's dispatch sorts
+    a data-dependent number of tokens to each expert: shapes a graph would recompile for every step), the experts
+    run eager. `fullgraph`: refuse a graph break (only possible without TP/SP/CP collectives)."""
     if scope not in CUDA_GRAPH_SCOPES:
         raise ValueError(f"compile scope must be one of {CUDA_GRAPH_SCOPES}, got {scope!r}")
     count = 0
     for chunk in chunks:
         for layer in getattr(chunk, "layers", {}).values():
-            target = layer if scope == "full" else layer.self_attention
+            moe = getattr(layer, "is_moe", False)
+            target = layer if scope == "full" and not moe else layer.self_attention
             compiled = torch.compile(target._call_impl, backend=backend, mode=mode, fullgraph=fullgraph)
             target._compiled_call_impl = _EagerPrologueThenCompiled(target, compiled)
             count += 1

@@ -95,7 +95,6 @@ def moe_flag_errors(args: argparse.Namespace) -> list[str]:
         errors.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
                       "rule: each TP rank routes its own slice of the sequence)")
     for flag, on, why in (
-            ("--compile", args.compile, "the router's data-dependent dispatch breaks the layer graphs"),
             ("--enable-cuda-graph", args.enable_cuda_graph, "expert loads change every step (shapes are dynamic)"),
             ("--unit-scaling", args.unit_scaling, "the router and experts are not unit-scaled yet")):
         if on:
