@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from data_fixtures import REPO_ROOT
+from megafp8.model.moe_options import moe_layer_pattern
 from megafp8.training.arguments import parse_args
 from megafp8.training.model_setup import model_config_from_args, parallel_state_from_args
 
@@ -47,7 +48,8 @@ def _validated(flags: list[str], world_size: int, vocab_size: int):
 
 
 @pytest.mark.parametrize("script", ["pretrain_llama3_8b_fp8.sh", "pretrain_llama3_8b_32k_cp.sh", "pretrain_single_gpu.sh",
-                                    "quickstart.sh", "fp8_parity.sh", "pretrain_moe_qwen3_30b_a3b.sh"])
+                                    "quickstart.sh", "fp8_parity.sh", "pretrain_moe_qwen3_30b_a3b.sh",
+                                    "pretrain_moe_deepseek_v3_recipe.sh"])
 def test_example_is_valid_bash(script):
     assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, script)]).returncode == 0
 
@@ -104,6 +106,22 @@ def test_moe_template_flags_are_accepted(tmp_path, nnodes):
     assert args.fp8_recipe == "blockwise" and args.fp8_power_of_2_scale and args.use_distributed_optimizer
 
 
+@pytest.mark.parametrize("nnodes", [2, 4])
+def test_deepseek_v3_recipe_template_flags_are_accepted(tmp_path, nnodes):
+    """DeepSeek-V3's router, balancing and shared experts, the first layer dense, TP2 + SP x DP, EP 8."""
+    flags, world_size = _entry_flags(_launch("pretrain_moe_deepseek_v3_recipe.sh", tmp_path, NNODES=str(nnodes)))
+    assert world_size == 8 * nnodes
+    args = _validated(flags, world_size, 129280)
+    assert (args.num_layers, args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+            args.moe_shared_expert_intermediate_size) == (27, 64, 6, 1408, 2816)
+    assert [bool(x) for x in moe_layer_pattern(args.num_layers, args.moe_layer_freq)] == [False] + [True] * 26
+    assert (args.moe_router_score_function, args.moe_router_enable_expert_bias, args.moe_router_topk_scaling_factor,
+            args.moe_router_load_balancing_type) == ("sigmoid", True, 2.5, "seq_aux_loss")
+    assert (args.tensor_model_parallel_size, args.data_parallel_size, args.expert_model_parallel_size) == (
+        2, 4 * nnodes, 8)
+    assert args.fp8_recipe == "blockwise" and args.non_persistent_ckpt_type == "local"
+
+
 def test_single_gpu_script_flags_are_accepted(tmp_path):
     flags, world_size = _entry_flags(_launch("pretrain_single_gpu.sh", tmp_path))
     assert world_size == 1
@@ -117,7 +135,8 @@ def test_single_gpu_script_flags_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["pretrain_single_gpu.sh", "pretrain_llama3_8b_fp8.sh",
-                                    "pretrain_llama3_8b_32k_cp.sh", "pretrain_moe_qwen3_30b_a3b.sh"])
+                                    "pretrain_llama3_8b_32k_cp.sh", "pretrain_moe_qwen3_30b_a3b.sh",
+                                    "pretrain_moe_deepseek_v3_recipe.sh"])
 def test_gpu_example_install_line_brings_the_packages_its_flags_need(script, tmp_path):
     """The install line in the script's header names the extras whose packages its flags import (a tokenizer,
     TensorBoard): following it, the run does not stop at the optional-package check."""

@@ -28,7 +28,7 @@ MATH_ARGS = ("seq_length", "max_position_embeddings", "norm_epsilon", "rotary_ba
              "fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
              "fp8_power_of_2_scale", "first_last_layers_bf16", "fp8_param_gather", "fp4_param_gather",
              "fp8_static_grad_scale", "fp8_dot_product_attention",
-             "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_load_balancing_type",
+             "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
              "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
              "moe_token_drop_policy",
              "global_batch_size", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_samples",

@@ -96,6 +96,7 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None  # DeepSeek-V3's routed scaling factor (2.5); None: 1
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None

@@ -157,6 +157,9 @@ def moe_export_problems(config: ModelConfig) -> list[str]:
                         "softmax the router logits)")
     if config.moe_router_enable_expert_bias:
         problems.append("--moe-router-enable-expert-bias (neither family has a routing bias)")
+    if config.moe_router_topk_scaling_factor not in (None, 1.0):
+        problems.append(f"--moe-router-topk-scaling-factor {config.moe_router_topk_scaling_factor} (neither family "
+                        "scales the routed weights)")
     if config.moe_shared_expert_intermediate_size:
         problems.append(f"--moe-shared-expert-intermediate-size {config.moe_shared_expert_intermediate_size} "
                         "(neither family has a shared expert)")

@@ -65,6 +65,9 @@ def moe_errors(o: Any) -> list[str]:
         errors.append(f"--moe-expert-capacity-factor must be positive, got {factor}")
     if o.moe_pad_expert_input_to_capacity and factor is None:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    scaling = o.moe_router_topk_scaling_factor
+    if scaling is not None and not scaling > 0:
+        errors.append(f"--moe-router-topk-scaling-factor must be positive, got {scaling}")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
         value = getattr(o, name)
         if value is not None and not value >= 0:
@@ -83,6 +86,7 @@ MOE_FLAG_DEFAULTS: dict[str, Any] = {
     "moe_router_topk": 2,
     "moe_router_score_function": "softmax",
     "moe_router_pre_softmax": False,
+    "moe_router_topk_scaling_factor": None,
     "moe_router_load_balancing_type": "aux_loss",
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,

@@ -40,6 +40,7 @@ class TopKRouter(nn.Module):
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
         self.score_function = config.moe_router_score_function
         self.pre_softmax = config.moe_router_pre_softmax
+        self.scaling_factor = config.moe_router_topk_scaling_factor
         self.load_balancing_type = config.moe_router_load_balancing_type
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         # Megatron's router weight, in the model's dtype; every score is computed in fp32 (--moe-router-dtype fp32).
@@ -102,7 +103,14 @@ class TopKRouter(nn.Module):
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Megatron-Core's top-k: softmax over the top-k logits (or over all, then the top k: --moe-router-pre-softmax);
-        sigmoid scores chosen with the expert bias added and, for k > 1, normalised over the chosen k."""
+        sigmoid scores chosen with the expert bias added and, for k > 1, normalised over the chosen k; the weights
+        then times --moe-router-topk-scaling-factor."""
+        top_experts, top_probs = self._choose(logits)
+        if self.scaling_factor is not None:
+            top_probs = top_probs * self.scaling_factor
+        return top_experts, top_probs
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.topk
         if self.score_function == "softmax":  # the expert bias is sigmoid's (ModelConfig refuses it here)
             if self.pre_softmax:

@@ -22,6 +22,9 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                    help="softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: the chosen k normalised to sum to 1)")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over all experts before the top-k (default: over the k chosen logits)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=d["moe_router_topk_scaling_factor"],
+                   help="multiply the k chosen experts' weights by this (DeepSeek-V3's routed scaling factor, 2.5; "
+                        "default 1)")
     g.add_argument("--moe-router-dtype", choices=("fp32",), default=None,
                    help="the router's scores are always computed in fp32 (unset or fp32: Megatron's recommendation)")
     g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES,
