@@ -71,7 +71,6 @@ class RerunStateMachine:
         # The first step of a process is judged but not re-run (Megatron-LM's rule too): the FP8 scaling states
         # bind to their manager's flat buffers in its update, which a snapshot before it would do too early.
         self.first_step_done = False
-        self.events = 0
         # report_stats: the window's largest relative differences between a step's two runs (device tensors)
         self.loss_diff = torch.zeros((), dtype=torch.float64, device=self.checks.reference.device)
         self.norm_diff = torch.zeros_like(self.loss_diff)
@@ -239,7 +238,6 @@ class RerunStateMachine:
                                       "computes_loss": _computes_loss(trainer),
                                       "local_loss": [float(first.local_loss)], "finding": None,
                                       "fp8": self._telemetry(trainer)})
-        self.events += 1
         if trainer.ps.rank != 0:
             return None
         args = trainer.args
