@@ -19,6 +19,7 @@ def _hand_flops(batch: int, layers: int, h: int, f: int, heads: int, groups: int
     return 3 * 2 * batch * s * gemm_macs_per_token
 
 
+@pytest.mark.slow  # 42 s: a benchmark tool's smoke run (the training it times is tested everywhere else)
 def test_quick_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "tools/bench/bench_train.py", "--quick", "--iters", "4", "--warmup", "1",

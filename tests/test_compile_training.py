@@ -106,7 +106,8 @@ def test_compiled_3d_fp8_run_matches_eager(recipe, data_prefix, tmp_path):
 @pytest.mark.parametrize("layout", [
     pytest.param(["--context-parallel-size", "2", "--recompute-granularity", "selective"], id="cp2-selective-recompute"),
     pytest.param(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--recompute-granularity",
-                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], id="zbv-full-recompute"),
+                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], id="zbv-full-recompute",
+                 marks=pytest.mark.slow),  # slow (56 s): the CP2 case keeps collectives between graphs by default
 ])
 def test_compiled_cp_recompute_and_zero_bubble_runs_match_eager(layout, data_prefix, tmp_path):
     """Two processes: context parallelism (ring attention between graphs) with selective recompute, and a
@@ -130,6 +131,7 @@ def test_compiled_3d_resume_is_bit_exact(data_prefix, tmp_path):
     assert _losses(tmp_path / "resumed") == {i: straight[i] for i in (4, 5, 6)}
 
 
+@pytest.mark.slow  # 45 s (inductor compiles); the attention-only scope is the --cuda-graph-scope attn path's
 def test_a_mixture_of_experts_model_compiles_its_attention_and_runs_its_experts_eager(data_prefix, tmp_path):
     """--num-experts with --compile: each MoE layer compiles its attention only (the router's dispatch has
     data-dependent shapes), one graph shared by the layers, no recompilation; losses within FP8's bounds."""

@@ -96,6 +96,7 @@ def test_a_killed_run_resumes_from_its_newer_local_checkpoint_or_falls_back(tmp_
     assert _steps(fallback / "logs") == {i: want[i] for i in (5, 6, 7, 8)}
 
 
+@pytest.mark.slow  # the global kind writes the persistent format, tested everywhere; its resume choice is local's
 @pytest.mark.distributed
 def test_a_global_non_persistent_checkpoint_newer_than_the_persistent_one_is_resumed(tmp_path):
     """--non-persistent-ckpt-type global: the persistent format under --save/non_persistent, one kept."""

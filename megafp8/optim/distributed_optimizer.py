@@ -33,6 +33,7 @@ from torch import nn
 
 from megafp8.fp8 import invalidate_fp8_weight_caches
 from megafp8.optim import fused_adamw, fused_adamw_coded
+from megafp8.optim.amax_groups import Members, all_reduce_max, amax_group, members_by_group
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.loss_scaler import LossScaler
 from megafp8.optim.optimizer_checkpoint import load_optimizer_state_dicts, optimizer_state_dict
@@ -127,6 +128,7 @@ class DistributedOptimizer:
         self._group_decoupled, self._decoupled_launches = layout.group_decoupled, layout.decoupled_launches
         self._param_of_frag, self._rounding_salts, self._num_params = (layout.param_of_frag, layout.rounding_salts,
                                                                        layout.num_params)
+        self._amax_members: Members | None = None  # built at the first amax agreement
         self._param_views: tuple[tuple, list] | None = None  # per slab piece, its param_data view (key, views)
         self._shard_view_cache: tuple[tuple, tuple] | None = None  # per bucket shard: param_data and master views
         # Counters on the device: whether a step counts is known there only (the finite flag).
@@ -201,11 +203,19 @@ class DistributedOptimizer:
         self.master.encode(s, s + n, values)
 
     def _agreed_param_amax(self, frag_amax: dict[Fragment, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over DP."""
+        """Whole-tensor amax of every parameter: per-fragment amaxes, one MAX all-reduce over its shards' holders
+        (DP; an expert's: its expert-data-parallel group)."""
         params, local = list(self.ddp.bucket_of), {f.param: a for f, a in frag_amax.items()}
         amax = torch.stack([local.get(p, torch.zeros((), device=self.master_scale.device)) for p in params])
-        C.all_reduce(amax, self.dp, "amax_reduce", op=dist.ReduceOp.MAX)
+        all_reduce_max(amax, self._param_amax_members(), "amax_reduce")
         return dict(zip(params, amax))
+
+    def _param_amax_members(self) -> Members:
+        """The groups agreeing each parameter's amax, in ``ddp.bucket_of``'s order (megafp8.optim.amax_groups)."""
+        if self._amax_members is None:
+            self._amax_members = members_by_group([amax_group(self, p) for p in self.ddp.bucket_of], self.dp,
+                                                  self.master_scale.device)
+        return self._amax_members
 
     def _init_master(self, given: dict[str, torch.Tensor] | None = None) -> None:
         """Encode each owned fragment's values (``given[name]``, on any device, else the parameter's storage) into the
@@ -388,7 +398,7 @@ class DistributedOptimizer:
         """Move a tensor's power-of-two scale when its agreed amax left ``[2^8, 2^13]`` (exact: codes times a
         power of two; 1 elsewhere), for every fragment at once."""
         param_amax = frag_amax.new_zeros(self._num_params).index_copy_(0, self._param_of_frag, frag_amax)
-        C.all_reduce(param_amax, self.dp, "amax_reduce", op=dist.ReduceOp.MAX)
+        all_reduce_max(param_amax, self._param_amax_members(), "amax_reduce")
         amax = param_amax[self._param_of_frag]
         level = torch.log2(amax * self.master_scale)
         moved = (amax > 0) & ((level < FP16_SCALE_LOW) | (level > FP16_SCALE_HIGH)) & finite

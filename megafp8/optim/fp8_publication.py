@@ -25,13 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megafp8.optim import fused_fp8_publication
+from megafp8.optim.amax_groups import all_reduce_max, amax_group, members_by_group
 from megafp8.optim.fp8_param_cast import cast_to_fp8, element_groups, group_divisors, num_scale_groups
 from megafp8.optim.state_codec import GROUP
 from megafp8.optim.storage_slabs import STEP_SLAB, cut_into_slabs
-from megafp8.parallel import collectives as C
 from megafp8.parallel.grad_buffer import BYTE_BITS
 from megafp8_kernels import fp8_format, scale_from_amax, scale_shape
 from megafp8_kernels.formats import E2M1
@@ -79,6 +78,7 @@ class _ScalePlan:
     delayed: list[int]                     # warm delayed weights: their state's scale
     delayed_slots: torch.Tensor | None
     delayed_owner: torch.Tensor | None     # per delayed slot, its weight's place in ``delayed``
+    current_members: list | None = None    # the groups agreeing the current slots' amaxes (amax_groups.Members)
 
 
 class Fp8Publication:
@@ -95,6 +95,8 @@ class Fp8Publication:
         bases = [sum(sizes[:j]) for j in range(len(sizes))]
         self.num_slots = sum(sizes)
         self.slot_sizes, self.slot_bases = sizes, bases
+        # Per weight, the ranks agreeing its current-scaling amax: DP, an expert's expert-data-parallel group.
+        self.param_groups = [amax_group(opt, p) for p in self.params]
         # output_size: known here, so no device read of the counts' sum (and meta tensors need it)
         self.param_of_slot = torch.repeat_interleave(torch.arange(len(sizes) + 1, device=device),
                                                      torch.tensor(sizes + [1], device=device),
@@ -205,10 +207,12 @@ class Fp8Publication:
             combos.append((fmax, pow2, mask))
         del_slots = slots_of(delayed)
         owner = [k for k, j in enumerate(delayed) for _ in range(self.slot_sizes[j])]
+        members = members_by_group([self.param_groups[j] for j in current for _ in range(self.slot_sizes[j])],
+                                   self.opt.dp, device)
         return _ScalePlan(current, None if cur_slots == list(range(self.num_slots)) else
                           torch.tensor(cur_slots, dtype=torch.int64, device=device), combos, delayed,
                           torch.tensor(del_slots, dtype=torch.int64, device=device) if delayed else None,
-                          torch.tensor(owner, dtype=torch.int64, device=device) if delayed else None)
+                          torch.tensor(owner, dtype=torch.int64, device=device) if delayed else None, members)
 
     def _decode(self, slab: _Slab, master_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The slab's master values (fp32, [groups, 128]) and each element's slot (padding: the dummy slot)."""
@@ -280,9 +284,10 @@ class Fp8Publication:
                 quant[j].observe(local[j])
 
     def _current_scales(self, quant, plan: _ScalePlan, amax: torch.Tensor, scale: torch.Tensor) -> None:
-        """Current scaling (or a cold delayed state): one MAX all-reduce over DP of the group amaxes."""
+        """Current scaling (or a cold delayed state): one MAX all-reduce over DP of the group amaxes (an expert's over
+        its expert-data-parallel group: megafp8.optim.amax_groups)."""
         reduced = amax[:self.num_slots] if plan.current_slots is None else amax[plan.current_slots]
-        C.all_reduce(reduced, self.opt.dp, "dp_param_allgather", op=dist.ReduceOp.MAX)
+        all_reduce_max(reduced, plan.current_members, "dp_param_allgather")
         if self.nvfp4:
             self._nvfp4_scales(reduced, scale)
             return
