@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from data_fixtures import REPO_ROOT
 
 NAMES = ["high precision (fp32)", "fp8 delayed", "fp8 tensorwise", "fp8 rowwise", "fp8 blockwise",

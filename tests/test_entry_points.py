@@ -25,6 +25,7 @@ def test_pretrain_entry_runs_fp8_self_check():
     assert result.stdout.splitlines()[-1] == "megafp8: FP8 self-check OK"
 
 
+@pytest.mark.slow  # 40 s: a benchmark tool's smoke run (the GEMMs it times are tested against their twins)
 def test_bench_gemm_quick_mode(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "tools/bench/bench_gemm.py", "--quick", "--json", str(out)],
