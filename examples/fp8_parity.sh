@@ -13,7 +13,9 @@
 #         weights) and its ablations nvfp4_no_sr / nvfp4_no_rht / nvfp4_no_2d (one part off each), mxfp4
 #         (emulated on CPU: the numerics of Blackwell's block-scaled GEMMs, not their speed), and NVFP4's
 #         precision schedule: nvfp4_then_bf16 (the last 20% of the run in high precision) and nvfp4_fprop_bf16
-#         (the NVFP4 paper's variant: only the forward GEMMs switch); the architectures for FP8: fog_fp32 /
+#         (the NVFP4 paper's variant: only the forward GEMMs switch) and nvfp4_grad_noise ("FP4 All the Way"'s
+#         switch: once the FP4 wgrads' norm falls below sqrt(3) x their quantization noise, probed every log
+#         interval); the architectures for FP8: fog_fp32 /
 #         fog_fp8 (FOG's block), mus_fp32 / mus_static (μnit Scaling with static casts), and FP8 attention in the
 #         Llama (fp8_attention) and in FOG's block (fog_fp8_attention); mixture of experts with the dense MLP's
 #         active parameters (4 experts of half its width, top-2): moe_fp32 (softmax router, aux loss 1e-2),
@@ -92,6 +94,7 @@ declare -A run_flags=(
   [mxfp4]="--fp4-format e2m1 --fp4-recipe mxfp4"
   [nvfp4_then_bf16]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-fraction 0.8"
   [nvfp4_fprop_bf16]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-fraction 0.8 --fp4-switch-gemms fprop"
+  [nvfp4_grad_noise]="--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-until-grad-noise"
   # The architectures for FP8 (docs/training.md), each against its own fp32 run (--pair below): FOG's block with
   # xIELU, and the μnit Scaling model (unit-scale weights move by the learning rate itself: 10x the Llama's) with
   # static FP8 casts.
@@ -111,7 +114,7 @@ dp2="-m torch.distributed.run --standalone --nproc-per-node 2"
 declare -A run_launch=([fp8_zero_dp2]="$dp2" [fp8_grad_reduce]="$dp2")
 overflow="MEGAFP8_FORCE_FP8_OVERFLOW=layers.0.mlp.linear_fc2@$((iters / 5))"
 declare -A run_env=([fp8_overflow_guarded]="$overflow" [fp8_overflow_unguarded]="$overflow")
-runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 fog_fp32 fog_fp8 mus_fp32 mus_static fp8_attention fog_fp8_attention moe_fp32 moe_blockwise moe_bias_fp32}"
+runs="${PARITY_RUNS:-fp32 fp8_delayed fp8_tensorwise fp8_rowwise fp8_blockwise fp8_zero_compressed fp8_delayed_smooth_swiglu fp8_overflow_guarded fp8_overflow_unguarded fp8_zero_dp2 fp8_grad_reduce mxfp8 nvfp4 nvfp4_no_sr nvfp4_no_rht nvfp4_no_2d mxfp4 nvfp4_then_bf16 nvfp4_fprop_bf16 nvfp4_grad_noise fog_fp32 fog_fp8 mus_fp32 mus_static fp8_attention fog_fp8_attention moe_fp32 moe_blockwise moe_bias_fp32}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 mkdir -p "$work/runs"

@@ -18,7 +18,8 @@ RUNS = ["fp32", "fp8_delayed", "fp8_blockwise", "fp8_overflow_guarded", "fp8_ove
         "nvfp4_then_bf16", "fp8_attention"]
 ALL_RUNS = ["fp32", "fp8_delayed", "fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "fp8_zero_compressed",
             "fp8_delayed_smooth_swiglu", "fp8_overflow_guarded", "fp8_overflow_unguarded", "mxfp8", "nvfp4",
-            "nvfp4_no_sr", "nvfp4_no_rht", "nvfp4_no_2d", "mxfp4", "nvfp4_then_bf16", "nvfp4_fprop_bf16", "fog_fp32",
+            "nvfp4_no_sr", "nvfp4_no_rht", "nvfp4_no_2d", "mxfp4", "nvfp4_then_bf16", "nvfp4_fprop_bf16",
+            "nvfp4_grad_noise", "fog_fp32",
             "fog_fp8", "mus_fp32", "mus_static", "fp8_attention", "fog_fp8_attention", "moe_fp32", "moe_blockwise",
             "moe_bias_fp32"]
 # The architectures against their own fp32 run; those runs are other models (not compared with the Llama's fp32).

@@ -161,6 +161,17 @@ def test_report_shows_the_guard_switches(runs):
     assert "the saturation guard" not in _table(report)["fp8_close"][5]
 
 
+def test_report_plots_the_fp4_grad_noise_probes(runs):
+    with open(runs / "fp8_far" / "metrics.jsonl", "a") as f:  # as TrainingLog.log_grad_noise writes them
+        for it, ratio in ((5, 4.0), (10, 2.5), (15, 1.5)):
+            f.write(json.dumps({"iteration": it, "fp4_grad_noise_ratio": ratio}) + "\n")
+    out = runs / "report"
+    assert _report(str(runs / "baseline"), str(runs / "fp8_far"), "--output", str(out)).returncode == 0
+    report = (out / "report.md").read_text()
+    assert "| fp8_far | 3 | 4.000 | 1.500 | 1.500 |" in report and "| baseline | 3" not in report
+    assert (out / "fp4_grad_noise.png").stat().st_size > 0
+
+
 def test_report_says_when_no_layer_switched(runs):
     out = runs / "report"
     assert _report(str(runs / "baseline"), str(runs / "fp8_close"), "--output", str(out)).returncode == 0

@@ -1,5 +1,5 @@
 """FP8 numerics report: loss parity against a baseline run, grad norm, per-layer FP8 telemetry, MoE expert-load
-heatmaps and the runs' suspicious steps (their flight records).
+heatmaps, the runs' suspicious steps (their flight records) and the FP4 grad-noise probes.
 
     python tools/fp8_report.py RUN_DIR... --output REPORT_DIR [--baseline NAME] [--seq-length N] [--band 0.01]
                                [--pair RUN=REFERENCE]... [--pair-band 0.005]
@@ -46,6 +46,7 @@ class Run:
     # stat -> layer -> role -> [(step, value)]
     telemetry: dict[str, dict[str, dict[str, list[tuple[int, float]]]]] = field(default_factory=dict)
     suspicious_steps: list[dict] = field(default_factory=list)  # the flight records (megafp8.training.flight_record)
+    grad_noise: list[dict] = field(default_factory=list)  # --fp4-until-grad-noise's probes: {"iteration", ratio}
 
     def final_loss(self, use_validation: bool) -> float:
         if use_validation:
@@ -61,13 +62,13 @@ class Run:
                 if i >= min_history and loss > ratio * float(np.median([l for _, l in points[max(0, i - window):i]]))]
 
 
-def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     candidates = [run_dir / "metrics.jsonl", run_dir / "logs" / "metrics.jsonl"]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
         raise ReportError(f"run directory {run_dir} has no metrics.jsonl (looked for "
                           f"{', '.join(str(p) for p in candidates)}); pass the --log-dir of a megafp8.pretrain run")
-    train, valid, switches = [], [], []
+    train, valid, switches, probes = [], [], [], []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -83,10 +84,12 @@ def _read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
             valid.append(record)
         elif "fp8_guard_switch" in record:
             switches.append(record)
+        elif "fp4_grad_noise_ratio" in record:
+            probes.append(record)
     if not train:
         raise ReportError(f"{path} has no training records (none with 'lm_loss')")
     valid = [r for r in valid if r["val_lm_loss"] is not None]
-    return train, valid, switches
+    return train, valid, switches, probes
 
 
 def _read_telemetry(run_dir: Path) -> dict:
@@ -114,13 +117,13 @@ def load_run(path: str) -> Run:
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise ReportError(f"run directory {run_dir} " + ("is not a directory" if run_dir.exists() else "does not exist"))
-    train, valid, switches = _read_metrics(run_dir)
+    train, valid, switches, probes = _read_metrics(run_dir)
     log_dir = run_dir if (run_dir / "metrics.jsonl").is_file() else run_dir / "logs"
     try:
         events = read_flight_records(log_dir)
     except ValueError as e:
         raise ReportError(str(e)) from e
-    return Run(run_dir.resolve().name, run_dir, train, valid, switches, _read_telemetry(run_dir), events)
+    return Run(run_dir.resolve().name, run_dir, train, valid, switches, _read_telemetry(run_dir), events, probes)
 
 
 def _tokens(run: Run, iterations: list[int], seq_length: int | None) -> tuple[np.ndarray, str]:
@@ -357,6 +360,37 @@ def _suspicious_section(runs: list[Run]) -> list[str]:
             "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def _grad_noise_section(runs: list[Run], output: Path) -> list[str]:
+    """--fp4-until-grad-noise's probes: the FP4 weight gradients' norm over their quantization noise per run, against
+    the paper's sqrt(3) (the switch fires below the run's --fp4-grad-noise-threshold, sqrt(3) by default)."""
+    probed = [run for run in runs if run.grad_noise]
+    if not probed:
+        return []
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, run in enumerate(probed):
+        points = [(r["iteration"], r["fp4_grad_noise_ratio"]) for r in run.grad_noise
+                  if r["fp4_grad_noise_ratio"] is not None]
+        ax.plot(*zip(*points), marker=".", lw=1, color=f"C{k % 10}", label=run.name)
+    ax.axhline(math.sqrt(3), color="red", ls="--", lw=1, label="sqrt(3)")
+    ax.set(xlabel="iteration", ylabel="||wgrad|| / ||FP4 noise||", yscale="log",
+           title="FP4 weight gradients over their quantization noise")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(output / "fp4_grad_noise.png", dpi=90)
+    plt.close(fig)
+    lines = ["## FP4 gradient vs quantization noise", "",
+             "--fp4-until-grad-noise's probes (\"FP4 All the Way\": FP4 training stops paying below sqrt(3)). "
+             "The last probe of a run is the one at its switch, if it switched.", "",
+             "| run | probes | first ratio | last ratio | min ratio |", "|---|---|---|---|---|"]
+    for run in probed:
+        ratios = [r["fp4_grad_noise_ratio"] for r in run.grad_noise if r["fp4_grad_noise_ratio"] is not None]
+        lines.append(f"| {run.name} | {len(run.grad_noise)} | {ratios[0]:.3f} | {ratios[-1]:.3f} | {min(ratios):.3f} |"
+                     if ratios else f"| {run.name} | {len(run.grad_noise)} | - | - | - |")
+    return lines + ["", "![FP4 grad noise](fp4_grad_noise.png)", ""]
+
+
 def _pair_section(runs: list[Run], pairs: list[tuple[str, str]], use_validation: bool, band: float) -> list[str]:
     """RUN vs its one-flag REFERENCE: final-loss gap and the largest per-iteration training-loss gap."""
     if not pairs:
@@ -416,6 +450,7 @@ def write_report(runs: list[Run], baseline_name: str | None, output: Path, seq_l
     lines += _guard_section(runs)
     lines += _suspicious_section(runs)
     lines += _expert_load_section(runs, output)
+    lines += _grad_noise_section(runs, output)
     for run in runs:
         image = _plot_telemetry(run, output)
         if image:

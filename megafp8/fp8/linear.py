@@ -35,6 +35,7 @@ class Fp8GemmModule(nn.Module):
     guard_high_precision: switched to high precision by the SaturationGuard (checkpointed by the guard)
     telemetry_enabled:    record FP8 statistics of each quantization (see telemetry.py)
     kurtosis_enabled:     record the raw moments of the input (kurtosis.py)
+    grad_noise_probe:     an FP4 wgrad's quantization noise against its exact value, on probe steps (grad_noise.py)
     forced_overflow_factor: a test hook's input-scale multiplier (forced_overflow.py); None in real runs
     """
 
@@ -46,6 +47,7 @@ class Fp8GemmModule(nn.Module):
         self.telemetry_enabled = False
         self.kurtosis_enabled = False  # keep the input's moments (kurtosis.py), on telemetry log iterations
         self.input_moments: torch.Tensor | None = None
+        self.grad_noise_probe = None  # a GradNoiseProbe on --fp4-until-grad-noise's probe iterations
         self.forced_overflow_factor: float | None = None
         self.wgrad_deferral = None  # a zero-bubble pipeline chunk's WgradDeferral (deferred_wgrad.py)
         self.smooths_input = False  # Smooth-SwiGLU's FC2: quantizes W / s, s per input (set by the MLP)

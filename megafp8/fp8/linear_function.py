@@ -293,6 +293,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                      observe=args.observe)
             x_t = _transposed_parts(x_fp8) if needs_wgrad else None
 
+        # A grad-noise probe step of an FP4 layer (grad_noise.py): the high-precision input, kept for the exact wgrad.
+        probe_x = None
+        if getattr(layer, "grad_noise_probe", None) is not None and needs_wgrad and recipe.element_bits == 4:
+            if args.sp_input is not None:
+                raise NotImplementedError("the FP4 grad-noise probe under sequence parallelism (it needs the gathered "
+                                          "high-precision input); --fp4-until-grad-noise runs without "
+                                          "--sequence-parallel")
+            probe_x = (prologue.forward(raw, *prologue_params)[0] if fused is not None else x).detach()
+            probe_x = probe_x.reshape(-1, probe_x.shape[-1])
+
         # ---- fprop GEMM; a row-parallel output is reduce-scattered to this rank's sequence shard ----
         if recipe.fprop_high_precision:  # the NVFP4 paper's late switch of the forward GEMMs only (precision_schedule.py)
             if args.sp_input is not None:
@@ -312,6 +322,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # The leaf itself: a recomputed forward's saved copy of it (torch.utils.checkpoint) is another object.
         ctx.args, ctx.weight_fp8, ctx.weight_param = args, weight_fp8, weight  # the module owns the FP8 weight
         ctx.x_dtype, ctx.x_shape, ctx.x_kind = x_dtype, x_shape, (x_fp8.format, x_fp8.layout)
+        ctx.probe_x = probe_x
         # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
         ctx.save_for_backward(*(x_t or (None, None, None)), weight, bias,
                               *((raw, *prologue_params, *extras) if prologue else ()))
@@ -368,6 +379,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_format, x_layout = ctx.x_kind
             x_t_operand = Float8Tensor(_logical_shape(x_t, x_format), x_format, x_layout, x_t, x_scale_t,
                                        global_scale_inv=x_global_t)
+        if needs_wgrad and ctx.probe_x is not None:  # (never under SP: x_t_operand is the whole x^T)
+            layer.grad_noise_probe.record(dy2d, ctx.probe_x, scaled_gemm(dy_fp8.t(), x_t_operand,
+                                                                         out_dtype=torch.float32),
+                                          args.wgrad_column_scale)
         if defer:
             deferral.push(ctx.weight_param, _deferred_wgrad(dy_fp8.t(), x_t_operand, ctx.weight_param, args),
                           (*dy_fp8.col_major(), x_t, x_scale_t))

@@ -3,6 +3,7 @@ ablation switches), how they select the run's recipe, and their checks."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from megafp8.fp8.precision_schedule import GEMM_SCOPES, PrecisionSchedule
 from megafp8.fp8.recipe import FP4_SCALINGS, MICROSCALED, SCALING_RULES, Fp8Recipe
@@ -10,6 +11,7 @@ from megafp8_kernels.microscaling_reference import HADAMARD_SIZE
 
 FP4_FORMATS = ("e2m1",)
 SWITCH_TARGETS = ("bf16", "mxfp8", "tensorwise", "rowwise", "blockwise")
+GRAD_NOISE_THRESHOLD = math.sqrt(3.0)  # "FP4 All the Way": half the range of a uniform noise of that sigma
 
 
 def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
@@ -41,6 +43,16 @@ def add_microscaling_flags(g: argparse._ArgumentGroup) -> None:
                         "--fp4-switch-to (the FP4 papers' late switch to higher precision)")
     g.add_argument("--fp4-until-fraction", type=float, default=None,
                    help="the same as a fraction of the run's iterations (e.g. 0.82: the last 18%% in higher precision)")
+    g.add_argument("--fp4-until-grad-noise", action="store_true",
+                   help="precision schedule fired by the FP4 All the Way paper's rule: switch once the FP4 layers' weight "
+                        "gradients' norm falls below --fp4-grad-noise-threshold x the FP4 wgrad's quantization noise, "
+                        "measured every --fp4-grad-noise-interval iterations (not with --sequence-parallel)")
+    g.add_argument("--fp4-grad-noise-interval", type=int, default=None,
+                   help="iterations between grad-noise probes (default: --log-interval); a probe step also runs each "
+                        "FP4 wgrad in fp32 and all-reduces two weight-sized buffers")
+    g.add_argument("--fp4-grad-noise-threshold", type=float, default=GRAD_NOISE_THRESHOLD,
+                   help="the switch fires at the first probe whose gradient-norm / quantization-noise ratio is below "
+                        "this (the paper's sqrt(3))")
     g.add_argument("--fp4-switch-to", choices=SWITCH_TARGETS, default="bf16",
                    help="what the FP4 layers run after the switch: bf16 (high precision) or an FP8 recipe (with "
                         "--fp8-format's elements, e4m3 by default)")
@@ -75,7 +87,8 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
                       "(leave --compile out)")
     if "--mx-scale-rounding" in given and not (microscaled and args.fp8_recipe in ("mxfp8", "mxfp4")):
         errors.append("--mx-scale-rounding needs --fp8-recipe mxfp8 or --fp4-format e2m1 --fp4-recipe mxfp4")
-    scheduled = args.fp4_until_iteration is not None or args.fp4_until_fraction is not None
+    scheduled = is_scheduled(args)
+    errors += _grad_noise_errors(args, given)
     if args.fp4_until_iteration is not None and args.fp4_until_fraction is not None:
         errors.append("--fp4-until-iteration and --fp4-until-fraction are exclusive")
     if scheduled and args.fp4 is None:
@@ -86,7 +99,7 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
         errors.append(f"--fp4-until-iteration must be >= 0, got {args.fp4_until_iteration}")
     for flag in ("--fp4-switch-to", "--fp4-switch-gemms"):
         if flag in given and not scheduled:
-            errors.append(f"{flag} needs --fp4-until-iteration or --fp4-until-fraction")
+            errors.append(f"{flag} needs --fp4-until-iteration, --fp4-until-fraction or --fp4-until-grad-noise")
     if scheduled and args.fp4_switch_gemms == "fprop" and args.sequence_parallel:
         errors.append("--fp4-switch-gemms fprop with --sequence-parallel: the high-precision forward would gather x "
                       "in high precision, which is not built (switch all GEMMs, or leave out --sequence-parallel)")
@@ -96,6 +109,34 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
             errors.append(f"--fp4-format: the Hadamard transform runs along the tokens of a micro-batch in blocks of "
                           f"{HADAMARD_SIZE}; --micro-batch-size x --seq-length (/ --context-parallel-size) = {tokens} "
                           "is not a multiple (or pass --fp4-no-hadamard)")
+    return errors
+
+
+def is_scheduled(args: argparse.Namespace) -> bool:
+    """Whether the run has a precision schedule (an iteration, a fraction or the grad-noise trigger)."""
+    return (args.fp4_until_iteration is not None or args.fp4_until_fraction is not None
+            or args.fp4_until_grad_noise)
+
+
+def _grad_noise_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
+    errors = []
+    for flag in ("--fp4-grad-noise-interval", "--fp4-grad-noise-threshold"):
+        if flag in given and not args.fp4_until_grad_noise:
+            errors.append(f"{flag} needs --fp4-until-grad-noise")
+    if not args.fp4_until_grad_noise:
+        return errors
+    if args.fp4 is None:
+        errors.append("--fp4-until-grad-noise needs --fp4-format e2m1")
+    if args.sequence_parallel:
+        errors.append("--fp4-until-grad-noise with --sequence-parallel: the probe's exact wgrad needs the gathered "
+                      "high-precision input, which is not built (leave out --sequence-parallel)")
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        errors.append("--fp4-until-grad-noise with --expert-model-parallel-size > 1: the experts' probe buffers would "
+                      "reduce over the expert-data-parallel group, which is not built")
+    if args.fp4_grad_noise_interval is not None and args.fp4_grad_noise_interval < 1:
+        errors.append(f"--fp4-grad-noise-interval must be >= 1, got {args.fp4_grad_noise_interval}")
+    if not args.fp4_grad_noise_threshold > 0:
+        errors.append(f"--fp4-grad-noise-threshold must be > 0, got {args.fp4_grad_noise_threshold}")
     return errors
 
 
@@ -114,7 +155,7 @@ def _param_gather_errors(args: argparse.Namespace) -> list[str]:
                           "high precision for dgrad; the gather carries the 16x16 tiles that serve both GEMMs")
         if not args.use_distributed_optimizer:
             errors.append("--fp4-param-gather needs --use-distributed-optimizer (the owner of each shard casts it)")
-        if args.fp4_until_iteration is not None or args.fp4_until_fraction is not None:
+        if is_scheduled(args):
             if args.fp4_switch_gemms == "fprop":
                 errors.append("--fp4-param-gather with --fp4-switch-gemms fprop: after the switch the forward needs "
                               "the high-precision weight and dgrad the FP4 one; switch all GEMMs")
@@ -130,11 +171,13 @@ def _param_gather_errors(args: argparse.Namespace) -> list[str]:
 
 
 def precision_schedule_from_args(args: argparse.Namespace, train_iters: int) -> PrecisionSchedule | None:
-    """The run's precision schedule (None without --fp4-until-*): the switch's first iteration and its target."""
-    if args.fp4 is None or (args.fp4_until_iteration is None and args.fp4_until_fraction is None):
+    """The run's precision schedule (None without --fp4-until-*): the switch's first iteration and its target. With
+    --fp4-until-grad-noise alone it is past the run's end until the trigger fires (grad_noise_trigger.py)."""
+    if args.fp4 is None or not is_scheduled(args):
         return None
     last_fp4 = (args.fp4_until_iteration if args.fp4_until_iteration is not None
-                else round(args.fp4_until_fraction * train_iters))
+                else round(args.fp4_until_fraction * train_iters) if args.fp4_until_fraction is not None
+                else train_iters)
     then = None
     if args.fp4_switch_to != "bf16":
         then = Fp8Recipe.named(args.fp4_switch_to, fp8_format=args.fp8_format or "e4m3",

@@ -44,6 +44,7 @@ from megafp8.parallel.parallel_state import ParallelState
 from megafp8.training.data_setup import batches, build_datasets
 from megafp8.training.arguments import hang_timeout_minutes
 from megafp8.training.flops import flops_per_iteration, moe_flops_args
+from megafp8.training.grad_noise_trigger import grad_noise_trigger
 from megafp8.training.fault_injection import FaultInjection, rank_sample_indices
 from megafp8.training.hang_watchdog import HangWatchdog, InjectedStall
 from megafp8.training.rerun import RerunStateMachine
@@ -70,6 +71,8 @@ class TrainProgress:
     # --check-for-spiky-loss's reference |loss| and the steps in it (megafp8.training.result_checks; 0 in older ones)
     spike_reference: float = 0.0
     spike_samples: int = 0
+    # --fp4-until-grad-noise: the first iteration after the trigger's switch (0: not fired; grad_noise_trigger.py)
+    fp4_switch_iteration: int = 0
 
 
 def _mean_over(value: torch.Tensor, group) -> torch.Tensor:
@@ -113,6 +116,7 @@ class Trainer:
         self.decoupled_schedule = decoupled_learning_rate_schedule(args)
         self.train_iters = -(-args.train_samples // args.global_batch_size)
         self.precision_schedule = precision_schedule_from_args(args, self.train_iters)
+        self.grad_noise = grad_noise_trigger(args, self.precision_schedule, parallel_state, self.progress)
         self.kurtosis_warning = KurtosisWarning(args.kurtosis_warning_ratio, args.kurtosis_warning_window)
         # The last pipeline stage computes the loss; its first TP/CP/DP rank speaks for the run.
         ps = parallel_state
@@ -210,7 +214,10 @@ class Trainer:
         inputs, labels = self._global_batch(self.train_batches)
         self.faults.arm(self.progress.iteration + 1, self._attempt(), self.sample_indices())
         loss_mask = self.loss_mask(labels)
+        probing = self.grad_noise is not None and self.grad_noise.arm(self.ddp.module, self.progress.iteration + 1)
         loss = self.pipeline.forward_backward(inputs, labels, loss_mask)
+        if probing:
+            self.grad_noise.measure(self.ddp.module, self.progress, self.log if self.is_logging_rank else None)
         if self.args.empty_unused_memory_level >= 1:  # Megatron's places: level 1 after forward/backward,
             torch.cuda.empty_cache()                   # level 2 after the optimizer step as well
         return loss

@@ -189,6 +189,11 @@ class TrainingLog:
         self._append({"iteration": iteration, "val_lm_loss": _finite_or_none(val_lm_loss)})
         self._scalars({"validation/lm_loss": val_lm_loss}, iteration)
 
+    def log_grad_noise(self, iteration: int, ratio: float) -> None:
+        """--fp4-until-grad-noise's probe: the FP4 weight gradients' norm over their quantization noise."""
+        self._append({"iteration": iteration, "fp4_grad_noise_ratio": _finite_or_none(ratio)})
+        self._scalars({"train/fp4_grad_noise_ratio": ratio}, iteration)
+
     def log_guard_switch(self, iteration: int, layer: str, saturated: float) -> None:
         """The saturation guard moved `layer` to high precision after `iteration` (it saturated `saturated`)."""
         self._append({"iteration": iteration, "fp8_guard_switch": layer, "saturated": _finite_or_none(saturated)})
