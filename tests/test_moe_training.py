@@ -169,6 +169,22 @@ def test_the_fp8_zero_paths_work_for_experts_over_their_expert_data_parallel_gro
 
 
 @pytest.mark.distributed
+def test_fp4_param_gather_moves_expert_tiles_over_their_expert_data_parallel_group(single_process):
+    """NVFP4 experts under EP2 x DP2 with --fp4-param-gather: each expert weight's 16x16 tile amaxes are MAX-reduced
+    over its expert-data-parallel group (its shard holders) and its packed E2M1 bytes gathered there, so the first
+    step is the run without the flag bit for bit and the rest within round-off, with fewer gathered bytes."""
+    tmp_path, _ = single_process
+    ep2 = ["--expert-model-parallel-size", "2", *ZERO, "--fp4-format", "e2m1"]
+    plain = _train(tmp_path, "ep2-nvfp4", 4, *ep2)
+    gathered = _train(tmp_path, "ep2-fp4-param-gather", 4, *ep2, "--fp4-param-gather")
+    assert gathered[0]["lm_loss"] == plain[0]["lm_loss"]
+    for a, e in zip(gathered, plain):
+        assert abs(a["lm_loss"] - e["lm_loss"]) <= 1e-5 * e["lm_loss"], (a, e)
+    assert all(r["comm_bytes"]["dp_param_allgather"] < p["comm_bytes"]["dp_param_allgather"]
+               for r, p in zip(gathered, plain))  # packed FP4 bytes on the wire
+
+
+@pytest.mark.distributed
 def test_an_ep2_checkpoint_resumes_bit_exact_and_loads_at_ep1_and_ep4(single_process):
     tmp_path, reference = single_process
     ep2 = ["--expert-model-parallel-size", "2", *ZERO]

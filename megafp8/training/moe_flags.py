@@ -88,9 +88,6 @@ def moe_flag_errors(args: argparse.Namespace) -> list[str]:
         if not args.use_distributed_optimizer:
             errors.append("--expert-model-parallel-size > 1 needs --use-distributed-optimizer (the ZeRO optimizer "
                           "shards the experts over their expert-data-parallel group)")
-        if args.fp4_param_gather:
-            errors.append("--expert-model-parallel-size > 1 with --fp4-param-gather: not tested yet (--fp8-param-gather "
-                          "is: the experts' amaxes are agreed over their expert-data-parallel group)")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         errors.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
                       "rule: each TP rank routes its own slice of the sequence)")
