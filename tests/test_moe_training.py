@@ -74,8 +74,12 @@ LAYOUTS = {
     "ep2-pp2-1f1b": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                          "--pipeline-schedule", "1f1b", *ZERO]),
     "ep2-cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", *ZERO]),
+    # Megatron-Core's allgather dispatcher: every token to every EP rank, the per-token sums reduce-scattered back
+    "ep4-tp2-sp-dp2-allgather": (4, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
+    "ep2-dp2-allgather": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
 }
-SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b")
+SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b", "ep2-dp2-allgather")
 
 
 @pytest.mark.distributed
@@ -97,6 +101,22 @@ def test_fp8_experts_under_tp2_sp_dp2_stay_within_fp8_bounds(single_process):
     for a, e in zip(fp8, reference):
         assert abs(a["lm_loss"] - e["lm_loss"]) <= 0.01 * e["lm_loss"], (a, e)
     assert any(a["lm_loss"] != e["lm_loss"] for a, e in zip(fp8, reference))  # the experts did run in FP8
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_allgather_dispatcher_in_fp8_equals_the_alltoall_one(single_process):
+    """Blockwise FP8 experts under EP4 with the allgather dispatcher: the gathered tokens are the alltoall dispatch's
+    FP8 bytes and each expert sees the same rows in the same order, so the runs differ only in the order the token
+    sums are added (and in the bytes: every token to every rank)."""
+    tmp_path, _ = single_process
+    blockwise = ["--hidden-size", "128", "--moe-ffn-hidden-size", "128", "--fp8-format", "e4m3", "--fp8-recipe",
+                 "blockwise", "--fp8-power-of-2-scale", "--expert-model-parallel-size", "4", *ZERO]
+    alltoall = _train(tmp_path, "blockwise-ep4-a2a", 4, *blockwise)
+    allgather = _train(tmp_path, "blockwise-ep4-ag", 4, *blockwise, "--moe-token-dispatcher-type", "allgather")
+    for a, e in zip(allgather, alltoall):
+        assert abs(a["lm_loss"] - e["lm_loss"]) <= 1e-5 * e["lm_loss"], (a, e)
+    assert all(r["comm_bytes"]["ep_allgather"] > 0 and r["comm_bytes"]["ep_alltoall"] == 0 for r in allgather)
 
 
 @pytest.mark.distributed

@@ -106,6 +106,7 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = None  # None: dropless
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "alltoall"  # under expert parallelism (megafp8.parallel.expert_dispatch)
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:

@@ -8,7 +8,9 @@ context parallelism: routing is per token, so nothing is gathered)::
                                 with --moe-expert-capacity-factor each expert keeps its best `capacity` choices
                                 (--moe-token-drop-policy probs: the highest weights; position: the earliest tokens);
                                 under expert parallelism, an all-to-all to the experts' ranks and back
-                                (megafp8.parallel.expert_dispatch; FP8 bytes when the experts run FP8)
+                                (megafp8.parallel.expert_dispatch; FP8 bytes when the experts run FP8), or with
+                                --moe-token-dispatcher-type allgather every rank gathers every token, runs its
+                                experts on their choices and the per-token sums are reduce-scattered back
     experts                  -> expert e's SwiGLU MLP on its rows, a loop of GEMMs (each an FP8 linear under the
                                 run's recipe, like the dense MLP's)
     combine                  -> each row times its weight, the k rows of a token summed in fp32 in a fixed order
@@ -38,7 +40,7 @@ from megafp8.fp8.autocast import resolve_recipe
 from megafp8.model.config import ModelConfig
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
-from megafp8.parallel.expert_dispatch import ExpertExchange
+from megafp8.parallel.expert_dispatch import AllGatherExchange, ExpertExchange
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.placement import Placement
 
@@ -55,6 +57,7 @@ class MoELayer(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy = config.moe_token_drop_policy
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        self.dispatcher = config.moe_token_dispatcher_type
         self.router = TopKRouter(config, parallel_state)
         # Expert weights are whole on each rank: their linears are built on a one-rank layout (no split, no collective).
         # Under expert parallelism this rank holds experts [r E/EP, (r+1) E/EP), named by their global index.
@@ -98,21 +101,34 @@ class MoELayer(nn.Module):
         self._accumulate(losses)
         capacity = self.capacity(tokens.shape[0])
         order, counts = dispatch_order(top_experts, top_probs, self.num_experts, capacity, self.drop_policy)
-        rows = tokens[order // self.topk]  # [kept choices, h], sorted by expert
-        if self.ep.size == 1:
-            outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
-        else:  # to the experts' ranks and back (megafp8.parallel.expert_dispatch)
-            exchange = ExpertExchange(counts, self.ep)
-            local = exchange.dispatch(rows, fp8=self._experts_run_low_precision(planned=True))
-            outputs = exchange.combine(self._run_experts(local, None, exchange.local_counts, None))
-        weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
-        combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
-        out = combined.view(-1, self.topk, hidden).sum(1).to(x.dtype).view(seq, batch, hidden)
+        if self.ep.size > 1 and self.dispatcher == "allgather":  # every token to every rank, sums back
+            out = self._allgather_experts(tokens, top_experts, top_probs, order).view(seq, batch, hidden)
+        else:
+            rows = tokens[order // self.topk]  # [kept choices, h], sorted by expert
+            if self.ep.size == 1:
+                outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
+            else:  # to the experts' ranks and back (megafp8.parallel.expert_dispatch)
+                exchange = ExpertExchange(counts, self.ep)
+                local = exchange.dispatch(rows, fp8=self._experts_run_low_precision(planned=True))
+                outputs = exchange.combine(self._run_experts(local, None, exchange.local_counts, None))
+            weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
+            combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
+            out = combined.view(-1, self.topk, hidden).sum(1).to(x.dtype).view(seq, batch, hidden)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, fuse_activation=True)
         if losses["loss"] is not None and torch.is_grad_enabled():
             out = _AttachAuxLoss.apply(out, losses["loss"], self.aux_loss_scale)
         return out
+
+    def _allgather_experts(self, tokens: torch.Tensor, top_experts: torch.Tensor, top_probs: torch.Tensor,
+                           order: torch.Tensor) -> torch.Tensor:
+        """--moe-token-dispatcher-type allgather: this rank's experts on every EP rank's choices of them (the capacity
+        drops each rank decided for its own tokens travel as a kept mask), the tokens' sums reduce-scattered back."""
+        exchange = AllGatherExchange(self.ep, self.first_expert, len(self.experts.local_experts))
+        kept = torch.zeros(top_experts.numel(), dtype=torch.bool, device=tokens.device).index_fill_(0, order, True)
+        rows, counts = exchange.gather(tokens, top_experts, top_probs, kept,
+                                       fp8=self._experts_run_low_precision(planned=True))
+        return exchange.combine(self._run_experts(rows, None, counts, None), tokens.dtype)
 
     def _run_experts(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
                      capacity: int | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ from typing import Any
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
+TOKEN_DISPATCHERS = ("alltoall", "allgather")  # Megatron-Core's; its flex (DeepEP) dispatcher is not built
 
 
 def moe_layer_pattern(num_layers: int, moe_layer_freq: int | str) -> list[bool]:
@@ -52,7 +53,8 @@ def moe_errors(o: Any) -> list[str]:
             errors.append(str(e))
     for name, choices in (("moe_router_score_function", SCORE_FUNCTIONS),
                           ("moe_router_load_balancing_type", LOAD_BALANCING_TYPES),
-                          ("moe_token_drop_policy", TOKEN_DROP_POLICIES)):
+                          ("moe_token_drop_policy", TOKEN_DROP_POLICIES),
+                          ("moe_token_dispatcher_type", TOKEN_DISPATCHERS)):
         if getattr(o, name) not in choices:
             errors.append(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got {getattr(o, name)!r}")
     if o.moe_router_enable_expert_bias and o.moe_router_score_function != "sigmoid":
@@ -96,4 +98,5 @@ MOE_FLAG_DEFAULTS: dict[str, Any] = {
     "moe_expert_capacity_factor": None,
     "moe_token_drop_policy": "probs",
     "moe_pad_expert_input_to_capacity": False,
+    "moe_token_dispatcher_type": "alltoall",  # Megatron-LM's default is allgather (the same math: see DEFAULTS_THAT_DIFFER)
 }

@@ -49,6 +49,7 @@ COMM_KINDS: tuple[str, ...] = (
     "amax_reduce",          # FP8 amax reduction over the TP x DP group
     "embedding_allreduce",  # tied-embedding grad all-reduce between first and last PP stage
     "ep_alltoall",          # MoE token dispatch to the experts' ranks and the combine back (expert parallelism)
+    "ep_allgather",         # the same with --moe-token-dispatcher-type allgather: tokens gathered, sums reduce-scattered
 )
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names; GPU machines

@@ -1,5 +1,7 @@
 """Expert parallelism's token exchange: each (token, expert) row travels to the rank holding its expert and its output
-comes back (Megatron-Core's alltoall dispatcher), as autograd functions whose backward is the reverse exchange.
+comes back (Megatron-Core's alltoall dispatcher), as autograd functions whose backward is the reverse exchange; or
+every rank gathers every EP rank's tokens and routing, runs its experts on the choices that reached them, and the
+per-token sums are reduce-scattered back (Megatron-Core's allgather dispatcher, ``AllGatherExchange``).
 
 Rows leave sorted by global expert (megafp8.model.moe.dispatch_order), so the rows for EP rank r are one contiguous
 run: experts ``[r E/EP, (r+1) E/EP)``. The receiver gets them grouped by source rank and regroups them by local
@@ -109,3 +111,71 @@ class ExpertExchange:
 
     def combine(self, outputs: torch.Tensor) -> torch.Tensor:
         return _AllToAll.apply(outputs[self.by_source], self.input_splits, self.output_splits, self.ep)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every EP rank's ``[T, ...]`` tokens, concatenated (equal T on every rank); FP8 bytes + 1x128 scales with
+    ``fp8``. Backward: each token's gradient summed over the ranks whose experts it reached (a reduce-scatter, in high
+    precision)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, ep: GroupHandle, fp8: bool):
+        ctx.ep = ep
+        if not fp8:
+            return C.all_gather(tokens.contiguous(), ep, "ep_allgather")
+        gathered = C.all_gather(_pack_fp8_rows(tokens), ep, "ep_allgather")
+        return _unpack_fp8_rows(gathered, tokens.shape[1], tokens.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return C.reduce_scatter(grad.contiguous(), ctx.ep, "ep_allgather"), None, None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """The per-token partial outputs of every rank's experts, summed over EP; this rank's tokens kept. Backward: the
+    tokens' output gradient gathered to every rank."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, ep: GroupHandle):
+        ctx.ep = ep
+        return C.reduce_scatter(partial.contiguous(), ep, "ep_allgather")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return C.all_gather(grad.contiguous(), ctx.ep, "ep_allgather"), None
+
+
+class AllGatherExchange:
+    """Megatron-Core's allgather dispatcher for one micro-batch: ``gather`` brings every EP rank's tokens ``[T, h]``,
+    routing weights ``[T, k]`` and kept choices to every rank and returns the rows of this rank's experts (grouped by
+    local expert, each expert's rows in source-rank then token order, as ``ExpertExchange`` delivers them), with their
+    counts; ``combine`` weights those rows' outputs, sums each token's share here and reduce-scatters the sums: this
+    rank's ``[T, h]``. Fixed-size collectives and no counts exchanged first (no host read to size them), at the cost of
+    every rank receiving every token: Megatron's choice for small EP."""
+
+    def __init__(self, ep: GroupHandle, first_expert: int, local_experts: int) -> None:
+        self.ep, self.first, self.local = ep, first_expert, local_experts
+
+    def gather(self, tokens: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor,
+               fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``experts``/``probs`` ``[T, k]``, ``kept`` ``[T k]`` bool (capacity drops): (rows, counts per local
+        expert)."""
+        self.shape = (tokens.shape[0], experts.shape[1], tokens.shape[1])
+        all_tokens = _GatherTokens.apply(tokens, self.ep, fp8)
+        self.all_probs = _GatherTokens.apply(probs, self.ep, False).reshape(-1)
+        routing = torch.cat([experts.reshape(-1).to(torch.int64), kept.to(torch.int64)])
+        routing = C.all_gather(routing.view(2, -1).t().contiguous(), self.ep, "ep_allgather")  # [EP T k, 2]
+        all_experts, all_kept = routing[:, 0], routing[:, 1].bool()
+        mine = all_kept & (all_experts >= self.first) & (all_experts < self.first + self.local)
+        choices = mine.nonzero().squeeze(1)  # ascending: source, token, choice
+        self.choices = choices[torch.argsort(all_experts[choices], stable=True)]  # grouped by expert, order kept
+        counts = torch.bincount(all_experts[self.choices] - self.first, minlength=self.local)
+        return all_tokens[self.choices // self.shape[1]], counts
+
+    def combine(self, outputs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's ``[T, h]``: the weighted outputs of every rank's experts for its tokens, in ``dtype`` (each
+        rank sums its experts' share of a token in fp32 in choice order; the reduce-scatter adds the ranks')."""
+        tokens, k, hidden = self.shape
+        weighted = outputs.float() * self.all_probs[self.choices].unsqueeze(-1)
+        slots = weighted.new_zeros(self.ep.size * tokens * k, hidden).index_copy_(0, self.choices, weighted)
+        return _ReduceScatterTokens.apply(slots.view(-1, k, hidden).sum(1).to(dtype), self.ep)

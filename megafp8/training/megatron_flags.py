@@ -64,7 +64,8 @@ REFUSED_VALUES = {
 # Megatron flags whose megafp8 default differs, and why that cannot change a Megatron script's math: Megatron
 # has no usable default there (the script must give it), or the flag does not touch the math.
 DEFAULTS_THAT_DIFFER = {
-    "--moe-token-dispatcher-type": "megafp8 has the alltoall dispatcher only (Megatron-LM defaults to allgather)",
+    "--moe-token-dispatcher-type": "megafp8 defaults to alltoall (Megatron-LM to allgather): the same math, other bytes "
+                                   "on the wire (both are built)",
     "--num-layers": "Megatron-LM requires it; megafp8's default is a tiny model for smoke runs",
     "--hidden-size": "Megatron-LM requires it",
     "--num-attention-heads": "Megatron-LM requires it",

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from megafp8.model.moe_options import (LOAD_BALANCING_TYPES, MOE_FLAG_DEFAULTS, SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+from megafp8.model.moe_options import (LOAD_BALANCING_TYPES, MOE_FLAG_DEFAULTS, SCORE_FUNCTIONS, TOKEN_DISPATCHERS,
+                                       TOKEN_DROP_POLICIES,
                                        moe_errors, parse_moe_layer_freq)
 
 
@@ -54,9 +55,10 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="ETP: each expert split over this many ranks; only 1 is built (whole experts), the default "
                         "with --num-experts")
-    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall",), default="alltoall",
-                   help="how tokens reach their experts' ranks under EP: alltoall (Megatron's allgather and flex "
-                        "dispatchers are not built)")
+    g.add_argument("--moe-token-dispatcher-type", choices=TOKEN_DISPATCHERS, default=d["moe_token_dispatcher_type"],
+                   help="how tokens reach their experts' ranks under EP: alltoall (each choice's row to its expert's "
+                        "rank and back) or allgather (every rank gathers every token and reduce-scatters the sums: "
+                        "fixed-size collectives, for small EP); Megatron's flex dispatcher is not built")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad every expert's input to its capacity: static shapes, no host read of the loads")
 
