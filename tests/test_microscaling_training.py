@@ -132,7 +132,6 @@ def test_fp4_ablation_switches_change_the_bits_and_still_train(data_prefix, tmp_
     (["--fp4-format", "e2m1", "--fp4-no-2d-weights", "--fp4-param-gather"], "--fp4-param-gather with --fp4-no-2d"),
     (["--fp4-format", "e2m1", "--fp8-param-gather"], "--fp8-param-gather with --fp4-format"),
     (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"], "--fp8-param-gather with the mxfp8"),
-    (["--fp4-format", "e2m1", "--compile"], "--compile with the nvfp4 recipe"),
     (["--fp4-format", "e2m1", "--seq-length", "9", "--micro-batch-size", "1", "--global-batch-size", "2"],
      "is not a multiple (or pass --fp4-no-hadamard)"),
     (["--fp8-format", "e4m3", "--mx-scale-rounding", "floor"], "--mx-scale-rounding needs --fp8-recipe mxfp8"),

@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from megafp8.fp8.recipe import MICROSCALED, SCALING_RULES
 from megafp8.model.compile import CUDA_GRAPH_SCOPES, compile_layers
 from megafp8.parallel.pipeline_layout import ZERO_BUBBLE_SCHEDULES
 
@@ -48,11 +49,14 @@ def apply_compile(args: argparse.Namespace, chunks) -> int:
     break is then a bug. Otherwise the op runs eagerly between graphs: its collectives, or under a zero-bubble
     schedule the host-side queue of deferred weight gradients it feeds (megafp8.fp8.deferred_wgrad). FP8 attention
     (--fp8-dot-product-attention) always runs eagerly between graphs: it goes through ring attention, which is
-    torch.compiler.disable'd (a graph break at any CP size)."""
+    torch.compiler.disable'd (a graph break at any CP size). MX / NVFP4 casts run eagerly between graphs too
+    (megafp8.fp8.microscaling_quantizer: inductor cannot tile their block views)."""
     if not (args.compile or args.enable_cuda_graph):
         return 0
     collectives = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
+    microscaled = args.fp8_format is not None and SCALING_RULES[args.fp8_recipe].build in MICROSCALED
     deferred_wgrad = args.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     return compile_layers(chunks, backend="inductor", mode="reduce-overhead" if args.enable_cuda_graph else None,
                           scope=args.cuda_graph_scope or "full",
-                          fullgraph=not (collectives or deferred_wgrad or args.fp8_dot_product_attention))
+                          fullgraph=not (collectives or deferred_wgrad or args.fp8_dot_product_attention
+                                         or microscaled))

@@ -82,9 +82,6 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
                       "in BF16, --first-last-layers-bf16)")
     errors += _param_gather_errors(args)
     microscaled = args.fp8_format is not None and SCALING_RULES[args.fp8_recipe].build in MICROSCALED
-    if microscaled and getattr(args, "compile", False):
-        errors.append(f"--compile with the {args.fp8_recipe} recipe: the microscaled casts run eagerly for now "
-                      "(leave --compile out)")
     if "--mx-scale-rounding" in given and not (microscaled and args.fp8_recipe in ("mxfp8", "mxfp4")):
         errors.append("--mx-scale-rounding needs --fp8-recipe mxfp8 or --fp4-format e2m1 --fp4-recipe mxfp4")
     scheduled = is_scheduled(args)
