@@ -448,8 +448,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _Fp8LinearFunction.apply(x, weight, bias, weight_fp8, args, *params)
 
 
-@torch.compiler.disable
 def _apply_outside_compiled_graphs(*inputs):
-    """The op run eagerly between graphs under --compile: its backward queues Python closures for the W pass
-    (deferred_wgrad.py), which a traced backward would bake in or drop."""
+    """The op run eagerly between graphs under --compile (an eager island: megafp8.model.compile.mark_eager_islands):
+    its backward queues Python closures for the W pass (deferred_wgrad.py), which a traced backward would bake in or
+    drop."""
     return _Fp8LinearFunction.apply(*inputs)

@@ -57,9 +57,8 @@ class MicroscalingQuantizer(Quantizer):
             raise ValueError(f"{self.layout.name} has no per-tensor scale")
         return nvfp4_encode_scale(amax)
 
-    # Eager between compiled graphs under --compile: inductor (torch 2.13) fails on the cast's 1x32 / 16x16 block
-    # views (an AssertionError in its tiling); the block-scaled GEMM and everything around the cast still compile.
-    @torch.compiler.disable
+    # An eager island under --compile (megafp8.model.compile.mark_eager_islands): inductor (torch 2.13) fails on the
+    # cast's 1x32 / 16x16 block views (an AssertionError in its tiling); the GEMM and the rest still compile.
     def cast(self, x2d: torch.Tensor, *, scale: torch.Tensor | None, transpose: bool, stats: bool,
              key: int | None = None) -> Quantized:
         """`scale` is NVFP4's agreed S_enc (None: this tensor's own); `key` is used only if `stochastic`."""

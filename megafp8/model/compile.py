@@ -84,6 +84,26 @@ class _EagerPrologueThenCompiled:
         return self.compiled(*args, **kwargs)
 
 
+def mark_eager_islands() -> None:
+    """Wrap the functions a compiled layer must call eagerly (graph breaks around them) in torch.compiler.disable,
+    once, here rather than with decorators: importing torch._dynamo costs every process ~0.7 s at start, and only a
+    compiled run needs it. Each island is looked up through its module or class at call time, so the wrapper takes
+    effect everywhere:
+    the FP8 linear op under a zero-bubble schedule (its backward queues host-side closures for the W pass),
+    ring attention (collectives; FP8 K/V byte messages) and the MX/NVFP4 casts (inductor cannot tile their blocks)."""
+    from megafp8.fp8 import linear_function
+    from megafp8.fp8.microscaling_quantizer import MicroscalingQuantizer
+    from megafp8.parallel import ring_attention
+
+    for owner, name in ((linear_function, "_apply_outside_compiled_graphs"), (ring_attention, "ring_attention"),
+                        (MicroscalingQuantizer, "cast")):
+        function = getattr(owner, name)
+        if not getattr(function, "_megafp8_eager_island", False):
+            island = torch.compiler.disable(function)
+            island._megafp8_eager_island = True
+            setattr(owner, name, island)
+
+
 def compile_layers(chunks: Iterable[nn.Module], *, backend: str = "inductor", mode: str | None = None,
                    scope: str = "full", fullgraph: bool = False) -> int:
     """Compile every transformer layer of these model chunks (GPTModel or a pipeline stage's chunk) in place
@@ -93,6 +113,7 @@ def compile_layers(chunks: Iterable[nn.Module], *, backend: str = "inductor", mo
     run eager. `fullgraph`: refuse a graph break (only possible without TP/SP/CP collectives)."""
     if scope not in CUDA_GRAPH_SCOPES:
         raise ValueError(f"compile scope must be one of {CUDA_GRAPH_SCOPES}, got {scope!r}")
+    mark_eager_islands()
     count = 0
     for chunk in chunks:
         for layer in getattr(chunk, "layers", {}).values():

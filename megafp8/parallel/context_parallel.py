@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megafp8.parallel.collectives import CommCounters
-from megafp8.parallel.ring_attention import ring_attention
+from megafp8.parallel import ring_attention as ring  # through the module: --compile may wrap it (eager island)
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -106,9 +106,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if cp_size == 1 and blocks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa, scale=scale)
     if cp_size == 1:  # FP8 blocks: one diagonal block, no group
-        return ring_attention(q, k, v, None, 0, 1, comm_type, counters, scale, blocks)
+        return ring.ring_attention(q, k, v, None, 0, 1, comm_type, counters, scale, blocks)
     if q.shape[2] % 2:
         raise ValueError(f"context parallel attention: local sequence length {q.shape[2]} is not two equal chunks")
     if group is None:
         raise ValueError(f"context parallel attention: cp_size {cp_size} needs the CP process group")
-    return ring_attention(q, k, v, group, cp_rank, cp_size, comm_type, counters, scale, blocks)
+    return ring.ring_attention(q, k, v, group, cp_rank, cp_size, comm_type, counters, scale, blocks)

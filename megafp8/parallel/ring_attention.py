@@ -167,7 +167,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None)
 
 
-@torch.compiler.disable  # --compile: eager between the layer's graphs (collectives; FP8 blocks' byte messages)
+# --compile: an eager island between the layer's graphs (collectives; FP8 blocks' byte messages), marked by
+# megafp8.model.compile.mark_eager_islands.
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, cp_rank: int,
                    cp_size: int, comm_type: str, counters: CommCounters | None,
                    scale: float | None = None, blocks=None) -> torch.Tensor:
