@@ -1,8 +1,16 @@
-"""Test session setup: on machines without CUDA, Triton kernels run in Triton's interpreter; the longest files run
-first."""
+"""Test session setup: one torch thread per process; on machines without CUDA, Triton kernels run in Triton's
+interpreter; the longest files run first."""
 import os
 
-import torch
+# Two xdist workers share the 2-core CI machine and many tests run their ranks in more processes: torch's intra-op pool
+# (a thread per core, spinning between ops) then oversubscribes the cores and small ops slow down many times over
+# (measured: a test of 8 s alone took 41 s beside two busy processes with the default threads, 14 s with one). One
+# thread for the workers and, through the environment, for every process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     # Must happen before megafp8_kernels is imported: @triton.jit reads it at decoration time.

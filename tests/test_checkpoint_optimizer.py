@@ -95,6 +95,7 @@ def _load_2_body(rank, world_size, root):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI time (the 30-minute budget): resharding runs by default in test_training_3d and test_optim_distributed
 def test_distributed_optimizer_resumes_at_other_layouts(tmp_path):
     root = str(tmp_path)
     run_distributed(_save_body, world_size=4, args=(root, 2, "fp32"), timeout_s=600)

@@ -67,7 +67,7 @@ FP8_EXTRAS = {"plain": [],
               "fp8-grad-reduce": [*ZERO, "--fp8-grad-reduce", "--overlap-grad-reduce"]}
 
 
-@pytest.mark.parametrize("extra", list(FP8_EXTRAS))
+@pytest.mark.parametrize("extra", [e if e == "plain" else pytest.param(e, marks=pytest.mark.slow) for e in FP8_EXTRAS])
 def test_context_parallel_fp8_delayed_within_bounds(data_prefix, tmp_path, extra):
     reference = _train(1, data_prefix, tmp_path / "cp1", *FP8, *FP8_EXTRAS[extra])
     cp2 = _train(2, data_prefix, tmp_path / "cp2", *FP8, *FP8_EXTRAS[extra], "--context-parallel-size", "2")

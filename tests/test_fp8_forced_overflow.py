@@ -121,6 +121,7 @@ def _losses(records: list[dict]) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
 
 
+@pytest.mark.slow  # CI time: the guard through the entry runs by default in test_guard_param_gather and the parity test
 def test_guard_in_practice_pp2_switch_logged_loss_kept_and_resumed(data_prefix, tmp_path):
     data = ["--data-path", data_prefix, "--train-iters", "12"]
     clean = _losses(_pretrain(tmp_path / "clean", *data))

@@ -173,6 +173,7 @@ def _records(log_dir: Path) -> dict[int, dict]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI time (the 30-minute budget): --fp8-grad-reduce runs through the entry by default under CP2 and EP2
 def test_fp8_grad_reduce_trains_in_3d_and_resumes_bit_exact(tmp_path):
     prefix = str(tmp_path / "synthetic_text_document")
     write_synthetic_dataset(prefix, [50] * 200, vocab_size=500)

@@ -9,6 +9,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools" / "bench"))
 import bench_gemm  # noqa: E402
 
 
+@pytest.mark.slow  # CI time: a benchmark's smoke run (the routes' equality below runs by default)
 def test_wgrad_mode_times_both_routes(tmp_path, capsys):
     assert bench_gemm.main(["--wgrad", "--quick", "--json", str(tmp_path / "w.json")]) == 0
     rows = json.loads((tmp_path / "w.json").read_text())["rows"]

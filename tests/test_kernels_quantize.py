@@ -111,8 +111,12 @@ def _check_kind(kind, x, fmt, transpose, stats):
     return expected
 
 
-@pytest.mark.parametrize("kind,transpose,stats", list(itertools.product(KINDS, [False, True], [False, True])),
-                         ids=lambda v: getattr(v, "value", None) or str(v))
+# By default every kind with both outputs and the counters (the most code), and tensorwise in every combination; the
+# rest with -m slow (CI time: each program runs in Triton's interpreter).
+@pytest.mark.parametrize("kind,transpose,stats", [
+    pytest.param(k, t, st, id=f"{getattr(k, 'value', k)}-{t}-{st}",
+                 marks=[] if (t and st) or getattr(k, "value", k) == "tensorwise" else [pytest.mark.slow])
+    for k, t, st in itertools.product(KINDS, [False, True], [False, True])])
 def test_multi_tile_programs_equal_reference_bit_for_bit(kind, transpose, stats):
     """data, data_t, scale_inv(_t), amax and counts equal the twin's, fp32 and bf16 inputs, E4M3 and E5M2."""
     for i, shape in enumerate(MULTI_TILE_SHAPES):

@@ -223,6 +223,7 @@ def test_close_batches_stops_the_worker_processes(data_prefix):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI time (the 30-minute budget): the workers' batches are checked by default below
 def test_num_workers_under_torchrun_resumes_the_straight_run(data_prefix, tmp_path):
     """Two gloo ranks (DP 2): a run with 2 data-loader workers per rank, --no-mmap-bin-files and --data-cache-path,
     stopped after 2 iterations and resumed from its checkpoint, logs the losses of a straight in-process run."""

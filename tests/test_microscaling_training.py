@@ -155,8 +155,7 @@ def test_fp4_flags_select_the_recipe_with_megatron_names():
 
 def test_precision_schedule_switches_once_and_a_resume_across_the_switch_is_bit_exact(data_prefix, tmp_path):
     """--fp4-until-iteration 3: iterations 1-3 are the plain NVFP4 run's bits, 4-6 run in high precision; a run
-    saved at iteration 2 and resumed switches at the same iteration and is bit-exact with the straight run; the
-    forward-only variant (--fp4-switch-gemms fprop) and a switch to MXFP8 are other runs from iteration 4 on."""
+    saved at iteration 2 and resumed switches at the same iteration and is bit-exact with the straight run."""
     run = [*MODEL, *RECIPES["nvfp4"], "--data-path", data_prefix, "--train-iters", "6"]
     _run(1, *run, "--log-dir", str(tmp_path / "plain"))
     plain = _losses(tmp_path / "plain")
@@ -172,6 +171,18 @@ def test_precision_schedule_switches_once_and_a_resume_across_the_switch_is_bit_
     out = _run(1, *scheduled, "--load", ckpt, "--log-dir", str(tmp_path / "resumed"))
     assert "switch to high precision at iteration 4" in out
     assert _losses(tmp_path / "resumed") == {i: straight[i] for i in (3, 4, 5, 6)}
+
+
+@pytest.mark.slow  # CI time: the switch and its resume run by default above
+def test_precision_schedule_variants_switch_their_gemms_and_gather_in_high_precision_after(data_prefix, tmp_path):
+    """The forward-only variant (--fp4-switch-gemms fprop) and a switch to MXFP8 are other runs from iteration 4 on;
+    under --fp4-param-gather the switched weights go back to the high-precision gather: the same bits."""
+    run = [*MODEL, *RECIPES["nvfp4"], "--data-path", data_prefix, "--train-iters", "6"]
+    _run(1, *run, "--log-dir", str(tmp_path / "plain"))
+    plain = _losses(tmp_path / "plain")
+    scheduled = [*run, "--fp4-until-iteration", "3"]
+    _run(1, *scheduled, "--log-dir", str(tmp_path / "straight"))
+    straight = _losses(tmp_path / "straight")
 
     # fprop-only: iteration 4's forward (its loss) is the full switch's, its NVFP4 backward makes 5 and 6 differ.
     others = {}

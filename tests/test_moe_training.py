@@ -79,7 +79,7 @@ LAYOUTS = {
                                      "--sequence-parallel", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
     "ep2-dp2-allgather": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
 }
-SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b", "ep2-dp2-allgather")
+SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b", "ep2-dp2", "ep2-dp2-allgather")
 
 
 @pytest.mark.distributed
@@ -189,6 +189,7 @@ def test_the_fp8_zero_paths_work_for_experts_over_their_expert_data_parallel_gro
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI time: the same path as --fp8-param-gather's under EP (default, above)
 def test_fp4_param_gather_moves_expert_tiles_over_their_expert_data_parallel_group(single_process):
     """NVFP4 experts under EP2 x DP2 with --fp4-param-gather: each expert weight's 16x16 tile amaxes are MAX-reduced
     over its expert-data-parallel group (its shard holders) and its packed E2M1 bytes gathered there, so the first

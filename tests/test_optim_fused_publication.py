@@ -211,6 +211,7 @@ def _dp2_body(rank, world_size):
 
 @interpreted
 @pytest.mark.distributed
+@pytest.mark.slow  # CI time (the 30-minute budget): the one-process twin tests above run by default
 def test_fused_publication_equals_the_twin_at_dp2():
     """DP=2 shards cut rows and 128x128 blocks, so both ranks' amaxes of a group meet in the DP all-reduce."""
     assert os.environ.get("TRITON_INTERPRET") == "1"  # the spawned ranks inherit it

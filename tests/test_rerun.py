@@ -129,6 +129,7 @@ def test_a_loss_spike_is_rerun_and_skipped_or_stops_the_run_when_asked(tmp_path)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
+@pytest.mark.slow  # CI time: the other re-run tests run by default
 def test_report_stats_runs_each_step_twice_and_logs_zero_differences_on_cpu(tmp_path):
     _pretrain(tmp_path / "plain", 1, *MOCK, "--train-iters", "4", "--log-interval", "2", "--rerun-mode", "disabled")
     result = _pretrain(tmp_path / "stats", 1, *MOCK, "--train-iters", "4", "--log-interval", "2",

@@ -150,7 +150,7 @@ def test_checkpoint_reshards_on_load(fp32_3d_checkpoint, layout, data_prefix, tm
     assert sorted(loss) == [4] and loss[4] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+@pytest.mark.parametrize("damage", ["truncated", pytest.param("corrupt", marks=pytest.mark.slow)])
 def test_damaged_checkpoint_fails_once_on_rank_0_without_a_hang(damage, fp32_3d_checkpoint, data_prefix, tmp_path):
     """The largest shard cut in half, or the same size with bytes flipped; loaded by a 2-process DP2 job."""
     source, _ = fp32_3d_checkpoint
@@ -180,6 +180,7 @@ def test_bad_data_or_layout_fails_once_on_rank_0(flags, message, data_prefix):
 
 
 # ---- a non-finite step --------------------------------------------------------------------------------
+@pytest.mark.slow  # CI time: tests/test_rerun.py runs non-finite steps through the entry by default
 def test_non_finite_step_is_skipped_counted_and_training_continues(data_prefix, tmp_path):
     out = _ok(_pretrain(8, *MODEL, *LAYOUT_3D, *FP8_ZERO, "--train-iters", "5", "--data-path", data_prefix,
                         "--log-dir", str(tmp_path / "logs"), MEGAFP8_INJECT_NAN_AT_ITERATION="2"))
@@ -223,7 +224,8 @@ def _wait_for(condition, agent: subprocess.Popen, poll: float) -> None:
         time.sleep(poll)
 
 
-@pytest.mark.parametrize("target, async_save", [("ranks", False), ("agent", False), ("ranks", True)],
+@pytest.mark.parametrize("target, async_save", [("ranks", False), pytest.param("agent", False, marks=pytest.mark.slow),
+                                                ("ranks", True)],
                          ids=["ranks", "agent", "ranks-async-save"])
 def test_sigterm_finishes_the_step_saves_and_exits_0(target, async_save, data_prefix, tmp_path):
     """SIGTERM to every rank (a scheduler's preemption) or to the torchrun agent, which forwards it to its
@@ -245,7 +247,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(target, async_save, data_pr
     assert f"megafp8: trained {last} iterations" in out  # the last rank's run() returned normally
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async-save"])
+@pytest.mark.parametrize("async_save", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async-save"])
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(async_save, data_prefix, tmp_path):
     """With --async-save the kill lands while the background thread writes and the training goes on."""
     save = tmp_path / "checkpoints"
