@@ -23,7 +23,8 @@ import pytest  # noqa: E402
 # a time) then finish together, instead of one running a 5-minute file alone at the end.
 LONGEST_FIRST = ("test_kernel_audit.py", "test_fp8_parity_example.py", "test_training_3d.py",
                  "test_microscaling_training.py", "test_compile_training.py", "test_quickstart.py",
-                 "test_context_parallel_training.py", "test_fp8_grad_reduce.py", "test_kernel_audit_blackwell.py")
+                 "test_context_parallel_training.py", "test_moe_training.py", "test_kernel_audit_blackwell.py",
+                 "test_grad_noise_trigger.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -92,6 +92,7 @@ def test_every_layout_built_from_scratch_reproduces_the_single_process_run(singl
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI time: FP8 experts run by default under EP (blockwise EP4, delayed EP2, the FP8 ZeRO paths)
 def test_fp8_experts_under_tp2_sp_dp2_stay_within_fp8_bounds(single_process):
     """Delayed scaling (the default recipe) with FP8 parameter all-gathers, experts whole on every rank."""
     tmp_path, reference = single_process
