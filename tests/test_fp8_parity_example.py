@@ -60,6 +60,6 @@ def test_quick_parity_script_every_fp8_run_learns_near_the_baseline(tmp_path, ru
     report = (tmp_path / "report" / "report.md").read_text()
     assert "| fp8_overflow_guarded | 6 | layers.0.mlp.linear_fc2 |" in report
     assert all(f"| {name} | 20 |" in report for name in runs)
-    assert (tmp_path / "report" / "telemetry_fp8_blockwise.png").exists()
+    assert (tmp_path / "report" / "telemetry_fp8_delayed.png").exists()
     if "moe_blockwise" in runs:  # the MoE pair: -m slow (the heatmap is test_moe_training's too)
         assert "## Expert load" in report and (tmp_path / "report" / "expert_load_moe_blockwise.png").exists()

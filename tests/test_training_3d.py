@@ -105,6 +105,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # CI time: the single-agent 3D runs above and the quickstart cover the rest of the path
 def test_two_torchrun_agents_train_like_one(straight_fp8_3d, data_prefix, tmp_path):
     """Two agents on localhost with the c10d rendezvous, 4 processes each: the multi-node launch."""
     port = _free_port()
