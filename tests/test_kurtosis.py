@@ -95,9 +95,28 @@ def test_warning_fires_once_when_kurtosis_doubles_over_the_window():
     key = "fp8/layers.1.mlp.linear_fc2/input/kurtosis"
     lines = [warning.check(i, {key: value}) for i, value in enumerate([4.0, 3.0, 5.0, 5.9, 6.1, 9.0, 3.5, 8.0])]
     assert [i for i, line in enumerate(lines) if line] == [4, 7]  # 6.1 >= 2 x 3.0; 9.0 not again; 8.0 >= 2 x 3.5
-    assert "layers.1.mlp.linear_fc2's input kurtosis 6.1 is 2.0x its lowest of the last 3 logs (3.0)" in lines[4][0]
+    assert "layers.1.mlp.linear_fc2's input kurtosis 6.1 is 2.0x its lowest of the last 3 logs (3.0)" in \
+        lines[4][0].message
+    assert (lines[4][0].layer, lines[4][0].kurtosis, lines[4][0].low) == ("layers.1.mlp.linear_fc2", 6.1, 3.0)
     with pytest.raises(ValueError, match="--kurtosis-warning-ratio"):
         KurtosisWarning(ratio=1.0)
+
+
+def test_warning_windows_round_trip_through_their_state():
+    """A warning restored from state_dict() (a checkpoint, with --fp8-saturation-guard-kurtosis) alarms exactly where
+    the uninterrupted one does; a fresh one, with empty windows, does not."""
+    key = "fp8/layers.0.linear_proj/input/kurtosis"
+    values = [3.0, 3.2, 3.1, 6.5, 2.9, 7.0]
+    whole = KurtosisWarning(ratio=2.0, window=3)
+    expected = [bool(whole.check(i, {key: v})) for i, v in enumerate(values)]
+    first = KurtosisWarning(ratio=2.0, window=3)
+    for i, v in enumerate(values[:3]):
+        first.check(i, {key: v})
+    resumed, fresh = KurtosisWarning(ratio=2.0, window=3), KurtosisWarning(ratio=2.0, window=3)
+    resumed.load_state_dict(first.state_dict())
+    alarms = [bool(resumed.check(i, {key: v})) for i, v in enumerate(values[3:], 3)]
+    assert alarms == expected[3:] == [True, False, True]
+    assert not fresh.check(3, {key: values[3]})
 
 
 def test_training_entry_writes_kurtosis_to_metrics(tmp_path):
@@ -147,3 +166,69 @@ def test_kurtosis_warns_before_the_saturation_guard_trips_on_a_growing_outlier(t
     assert switched == [9], switched
     warned, switched, _ = _outlier_run(tmp_path / "slow", "layers.1.mlp.linear_fc2@6x1.5", 12)
     assert warned and warned[0] <= 8 and switched == []
+
+
+def _kurtosis_guard_run(tmp_path, nproc: int, *extra: str, iters: int = 12) -> tuple[list[dict], str]:
+    """metrics.jsonl records and stdout of a run with --fp8-saturation-guard-kurtosis under the forced outlier
+    (8x per iteration from iteration 6: the warning fires at 6, the saturation guard alone trips at 9, the test
+    above)."""
+    flags = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", str(4 // nproc), "--global-batch-size", "4", "--train-iters", str(iters),
+             "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--fp8-format", "hybrid", "--fp8-recipe",
+             "delayed", "--log-fp8-telemetry", "--fp8-saturation-guard-kurtosis", "--use-distributed-optimizer",
+             "--log-dir", str(tmp_path), *extra]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    result = subprocess.run([*launcher, "-m", "megafp8.pretrain", *flags], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                         "MEGAFP8_FORCE_OUTLIER": "layers.1.mlp.linear_fc2@6x8"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()], result.stdout
+
+
+def test_guard_switches_at_the_kurtosis_warning_on_every_rank_and_after_a_resume(tmp_path):
+    """--fp8-saturation-guard-kurtosis through the entry: the layer moves to high precision at its warning (logged
+    with its kurtosis, saturation null), 3 iterations before the saturation guard would have moved it. At DP2,
+    stopped just before the outlier and resumed, the kurtosis (moments summed over both ranks) warns and switches at
+    the iteration of the one-process run with the whole batch, and the losses follow it; that needs the warning's
+    windows from the checkpoint (with empty windows the first iteration after the resume cannot warn: checked by
+    breaking it)."""
+    layer = "layers.1.mlp.linear_fc2"
+    records, stdout = _kurtosis_guard_run(tmp_path / "one", 1)
+    switches = [r for r in records if "fp8_guard_switch" in r]
+    assert [(r["fp8_guard_switch"], r["saturated"]) for r in switches] == [(layer, None)], switches
+    switched_at = switches[0]["iteration"]
+    assert switched_at == 6 and switches[0]["kurtosis"] > 6, switches
+    assert f"fp8 guard: {layer} input kurtosis" in stdout and "(--fp8-saturation-guard-kurtosis)" in stdout
+    loss = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
+
+    checkpoints = tmp_path / "ckpt"
+    first, _ = _kurtosis_guard_run(tmp_path / "first", 2, "--save", str(checkpoints), "--exit-interval", "5")
+    # Each DP rank holds half the batch: the kurtosis both decide on is the whole batch's, the one process's. Compared
+    # where no FP8 cast lies upstream (the first layer's QKV input at the first step: the normalized embeddings), as
+    # FP8 rounding moves later kurtoses by ~1%; a rank's own half differs by several %.
+    qkv = "layers.0.self_attention.linear_qkv"
+    whole = next(r["input_kurtosis"][qkv] for r in records if "input_kurtosis" in r)
+    both = next(r["input_kurtosis"][qkv] for r in first if "input_kurtosis" in r)
+    assert abs(both - whole) <= 1e-9 * whole, (both, whole)
+    resumed, _ = _kurtosis_guard_run(tmp_path / "resumed", 2, "--load", str(checkpoints))
+    assert [(r["iteration"], r["fp8_guard_switch"]) for r in resumed if "fp8_guard_switch" in r] == \
+        [(switched_at, layer)]
+    resumed_loss = {r["iteration"]: r["lm_loss"] for r in resumed if "lm_loss" in r}
+    assert sorted(resumed_loss) == list(range(6, 13))
+    for iteration, value in resumed_loss.items():  # DP2 vs one process: the same batch, FP8 rounding apart
+        assert abs(value - loss[iteration]) <= 2e-3 * loss[iteration], (iteration, value, loss[iteration])
+
+
+def test_kurtosis_guard_flag_errors():
+    from megafp8.training.arguments import parse_and_check
+
+    base = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--train-iters", "2", "--mock-data", "--fp8-format", "hybrid", "--fp8-saturation-guard-kurtosis"]
+    _, errors, _ = parse_and_check([*base, "--no-fp8-saturation-guard"], 1)
+    assert any("drop --no-fp8-saturation-guard" in e for e in errors), errors
+    assert any("needs --log-fp8-telemetry" in e for e in errors), errors
+    _, errors, _ = parse_and_check([*base, "--log-fp8-telemetry"], 1)
+    assert errors == []

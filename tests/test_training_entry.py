@@ -66,10 +66,22 @@ def test_single_process_training_learns_and_logs(text_prefix, tmp_path):
     (["--save", "README.md"], "--save README.md: exists and is not a directory"),
     (["--save", "README.md/checkpoints"], "--save README.md/checkpoints: README.md is not a directory"),
 ])
-def test_bad_input_fails_before_training_naming_the_cause(text_prefix, flags, message):
+def test_bad_input_fails_before_training_naming_the_cause(text_prefix, flags, message, capsys):
+    """In this process (the entry's main(), as `python -m megafp8.pretrain` calls it: each case stops before any
+    process group or model; a process each cost ~4 s of imports), and one case as a real process below."""
+    from megafp8.pretrain import main
+
     prefix, tokenizer = text_prefix
-    result = _pretrain(*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "2", *flags)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    status = main([*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "2", *flags])
+    stderr = capsys.readouterr().err
+    assert status == 2 and message in stderr, stderr[-2000:]
+
+
+def test_bad_input_exits_2_with_one_message_and_no_traceback(text_prefix):
+    prefix, tokenizer = text_prefix
+    result = _pretrain(*MODEL, "--data-path", prefix, "--tokenizer-model", tokenizer, "--train-iters", "2",
+                       "--split", "1,99999,0")
+    assert result.returncode == 2 and "holds 0 tokens" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
 

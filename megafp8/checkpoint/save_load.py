@@ -338,12 +338,23 @@ def _raise_if_missing(state: dict[str, Any], saved_keys: Collection[str], path: 
 
 def _restore_guard(guard: Any, rank_states: list[dict], model: Models) -> None:
     """Merge every saved rank's guard state (each holds its own pipeline stage's layers, under global
-    names) and keep the switches of the layers this rank's model chunks hold."""
+    names) and keep the switches of the layers this rank's model chunks hold, with their steps down the ladder
+    (FP4 -> FP8 -> high precision) and the kurtosis warning's windows (--fp8-saturation-guard-kurtosis)."""
     strikes: dict[str, int] = {}
     switched: set[str] = set()
+    demotions: dict[str, int] = {}
+    kurtosis = {"history": {}, "warned": set()}
     for state in rank_states:
         strikes.update(state.get("strikes", {}))
         switched.update(state.get("switched", []))
+        demotions.update(state.get("demotions", {}))
+        if "kurtosis_warning" in state:
+            kurtosis["history"].update(state["kurtosis_warning"]["history"])
+            kurtosis["warned"].update(state["kurtosis_warning"]["warned"])
     for chunk in [model] if isinstance(model, nn.Module) else list(model):
         mine = switched & {name for name, _ in chunk.named_modules()}
-        guard.load_state_dict({"strikes": strikes, "switched": sorted(mine)}, chunk)
+        merged = {"strikes": strikes, "switched": sorted(mine),
+                  "demotions": {name: demotions[name] for name in mine if name in demotions}}
+        if kurtosis["history"]:
+            merged["kurtosis_warning"] = {"history": kurtosis["history"], "warned": sorted(kurtosis["warned"])}
+        guard.load_state_dict(merged, chunk)

@@ -9,11 +9,13 @@ over the tensor-parallel group (sequence shards under SP, hidden slices of a row
 copies, which leave the ratios unchanged), and derives kurtosis and RMS: the same values at any TP layout.
 
 ``KurtosisWarning``: a layer whose kurtosis reaches ``ratio`` x its lowest value over the previous ``window``
-logged values gets one warning line (again only after it fell back below that bound).
+logged values gets one warning (again only after it fell back below that bound); with
+--fp8-saturation-guard-kurtosis the saturation guard switches that layer at once (SaturationGuard.switch_early).
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -84,8 +86,17 @@ def collect_kurtosis(model: nn.Module, all_reduce_sum=None) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class KurtosisAlarm:
+    """One layer's warning: its kurtosis now, the lowest of its window, and the console line."""
+    layer: str
+    kurtosis: float
+    low: float
+    message: str
+
+
 class KurtosisWarning:
-    """One line per layer whose input kurtosis grew ``ratio`` x past its lowest of the last ``window`` logs."""
+    """One alarm per layer whose input kurtosis grew ``ratio`` x past its lowest of the last ``window`` logs."""
 
     def __init__(self, ratio: float = 2.0, window: int = 5) -> None:
         if ratio <= 1 or window < 1:
@@ -95,8 +106,8 @@ class KurtosisWarning:
         self.history: dict[str, deque] = {}
         self.warned: set[str] = set()
 
-    def check(self, iteration: int, telemetry: dict[str, float]) -> list[str]:
-        messages = []
+    def check(self, iteration: int, telemetry: dict[str, float]) -> list[KurtosisAlarm]:
+        alarms = []
         for key, value in telemetry.items():
             if not key.endswith("/input/kurtosis"):
                 continue
@@ -106,10 +117,20 @@ class KurtosisWarning:
             if low is not None and low > 0 and value >= self.ratio * low:
                 if layer not in self.warned:
                     self.warned.add(layer)
-                    messages.append(f"kurtosis warning at iteration {iteration}: {layer}'s input kurtosis "
-                                    f"{value:.1f} is {value / low:.1f}x its lowest of the last {len(history)} logs "
-                                    f"({low:.1f}): outliers are growing (FOG's early sign of FP8 divergence)")
+                    alarms.append(KurtosisAlarm(layer, value, low, (
+                        f"kurtosis warning at iteration {iteration}: {layer}'s input kurtosis {value:.1f} is "
+                        f"{value / low:.1f}x its lowest of the last {len(history)} logs ({low:.1f}): outliers are "
+                        "growing (FOG's early sign of FP8 divergence)")))
             else:
                 self.warned.discard(layer)
             history.append(value)
-        return messages
+        return alarms
+
+    def state_dict(self) -> dict:
+        """The windows and the warned layers: a resumed run warns (and, with the guard, switches) as this one would."""
+        return {"history": {layer: list(values) for layer, values in self.history.items()},
+                "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = {layer: deque(values, maxlen=self.window) for layer, values in state["history"].items()}
+        self.warned = set(state["warned"])

@@ -266,10 +266,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if prologue is not None and fused is None:
             x, extras = prologue.forward(raw, *prologue_params)  # unfused: the same values, in high precision first
         x_dtype, x_shape = prologue.output_meta(raw, *prologue_params) if fused is not None else (x.dtype, x.shape)
-        # The kurtosis monitor's log iterations (kurtosis.py): an extra pass over the input; the fused prologue never
-        # wrote it in high precision, so it runs again (a compiled graph writes the layer's moments slot).
+        # The kurtosis monitor's log iterations (kurtosis.py: an extra pass over the input; a compiled graph writes the
+        # layer's moments slot) and an FP4 layer's grad-noise probe steps (grad_noise.py: the input kept for the exact
+        # wgrad) read the input in high precision; a fused prologue never wrote it, so it runs again, once for both.
+        probes = getattr(layer, "grad_noise_probe", None) is not None and needs_wgrad and recipe.element_bits == 4
+        if probes and args.sp_input is not None:
+            raise NotImplementedError("the FP4 grad-noise probe under sequence parallelism (it needs the gathered "
+                                      "high-precision input); --fp4-until-grad-noise runs without --sequence-parallel")
+        x_high = None
+        if layer.kurtosis_enabled or probes:
+            x_high = prologue.forward(raw, *prologue_params)[0] if fused is not None else x
         if layer.kurtosis_enabled:
-            record_input_moments(layer, prologue.forward(raw, *prologue_params)[0] if fused is not None else x)
+            record_input_moments(layer, x_high)
 
         # ---- quantize x (and keep x^T for wgrad); under SP gather this rank's FP8 shard ----
         if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel
@@ -293,15 +301,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                      observe=args.observe)
             x_t = _transposed_parts(x_fp8) if needs_wgrad else None
 
-        # A grad-noise probe step of an FP4 layer (grad_noise.py): the high-precision input, kept for the exact wgrad.
-        probe_x = None
-        if getattr(layer, "grad_noise_probe", None) is not None and needs_wgrad and recipe.element_bits == 4:
-            if args.sp_input is not None:
-                raise NotImplementedError("the FP4 grad-noise probe under sequence parallelism (it needs the gathered "
-                                          "high-precision input); --fp4-until-grad-noise runs without "
-                                          "--sequence-parallel")
-            probe_x = (prologue.forward(raw, *prologue_params)[0] if fused is not None else x).detach()
-            probe_x = probe_x.reshape(-1, probe_x.shape[-1])
+        probe_x = x_high.detach().reshape(-1, x_high.shape[-1]) if probes else None
 
         # ---- fprop GEMM; a row-parallel output is reduce-scattered to this rank's sequence shard ----
         if recipe.fprop_high_precision:  # the NVFP4 paper's late switch of the forward GEMMs only (precision_schedule.py)

@@ -178,6 +178,9 @@ class SaturationGuard:
     ranks holding other experts decide on theirs.
     state_dict() / load_state_dict(state, model) carry the strikes and the switched layers, so a resumed
     run keeps its switches (the model's own state dict stays free of it, and so HF-convertible).
+    With a `kurtosis_warning` (--fp8-saturation-guard-kurtosis) the trainer also passes each logged iteration's
+    kurtosis alarms to switch_early(), which switches those layers at once (FOG's early warning acted on); that
+    warning's windows then travel in state_dict() too.
     """
 
     # Default threshold 1%: delayed scaling clips ~0.2% of an MLP's FC2 input for a few steps while activations
@@ -196,6 +199,7 @@ class SaturationGuard:
         self.demotions: dict[str, int] = {}  # steps down its ladder per switched layer (FP4 -> FP8 -> BF16: up to 2)
         self.events: list[dict] = []
         self._messages: list[str] = []
+        self.kurtosis_warning = None  # a megafp8.fp8.kurtosis.KurtosisWarning whose alarms switch_early() acts on
         # Device state of the layers checked since the last read (_start): their (name, module), each stat's
         # layer index and numel, and per layer strikes / tripped / the iteration and fraction it tripped at.
         self._start([], [])
@@ -324,6 +328,38 @@ class SaturationGuard:
         if switched:  # the next check starts afresh from the host strikes, without the switched layers
             self._start([], [])
 
+    def switch_early(self, model: nn.Module, alarms, iteration: int) -> list[str]:
+        """Switch the layers of ``alarms`` (KurtosisAlarm: a layer's input kurtosis grew past --kurtosis-warning-ratio
+        x its recent low) one step down their ladder now, before any saturation: each is an event
+        ``{"iteration", "layer", "saturated": None, "kurtosis"}`` and a message, as a trip is. Every rank of the
+        stage must pass the same alarms (the trainer sums the moments over the stage's TP x CP x DP ranks first),
+        so all switch together. Returns the messages (a trip settled by the read before it included)."""
+        modules = dict(model.named_modules())
+        alarms = [a for a in alarms if a.layer in modules and not modules[a.layer].runs_high_precision]
+        if alarms:
+            self._read(iteration)  # settle the device strikes first: a pending trip switches now, with its own event
+            for alarm in alarms:
+                module = modules[alarm.layer]
+                if module.runs_high_precision:  # that read just switched it
+                    continue
+                _demote(module)
+                module.fp8_telemetry.clear()
+                self.switched.add(alarm.layer)
+                self.demotions[alarm.layer] = self.demotions.get(alarm.layer, 0) + 1
+                self.strikes[alarm.layer] = 0
+                self.events.append({"iteration": iteration, "layer": alarm.layer, "saturated": None,
+                                    "kurtosis": alarm.kurtosis})
+                to = ("high precision" if module.runs_high_precision
+                      else f"{module.recipe.scaling} {module.recipe.fp8_format}")
+                self._messages.append(
+                    f"fp8 guard: {alarm.layer} input kurtosis {alarm.kurtosis:.1f} reached "
+                    f"{alarm.kurtosis / alarm.low:.1f}x its recent low ({alarm.low:.1f}) at iteration {iteration}: "
+                    f"switched to {to} "
+                    "(--fp8-saturation-guard-kurtosis)")
+            self._start([], [])  # the next check starts afresh without the switched layers
+        messages, self._messages = self._messages, []
+        return messages
+
     def take_events(self) -> list[dict]:
         self._read()  # so a trip after the last read iteration (the run's end) is not lost
         events, self.events = self.events, []
@@ -332,11 +368,16 @@ class SaturationGuard:
     def state_dict(self) -> dict:
         self._read()  # a checkpoint is a read point: a layer that tripped since the last read switches now
         # (no read at all when nothing was checked since the last one, e.g. a save on a log iteration)
-        return {"strikes": dict(self.strikes), "switched": sorted(self.switched), "demotions": dict(self.demotions)}
+        state = {"strikes": dict(self.strikes), "switched": sorted(self.switched), "demotions": dict(self.demotions)}
+        if self.kurtosis_warning is not None:
+            state["kurtosis_warning"] = self.kurtosis_warning.state_dict()
+        return state
 
     def load_state_dict(self, state: dict, model: nn.Module) -> None:
         self._start([], [])
         self.strikes = dict(state.get("strikes", {}))
+        if self.kurtosis_warning is not None and "kurtosis_warning" in state:  # (a run without it starts them afresh)
+            self.kurtosis_warning.load_state_dict(state["kurtosis_warning"])
         modules = dict(model.named_modules())
         for name in state.get("switched", []):
             if name not in modules:

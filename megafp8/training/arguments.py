@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "fraction saturated")
     g.add_argument("--fp8-saturation-guard-patience", type=int, default=3,
                    help="consecutive such steps before the layer moves to high precision")
+    g.add_argument("--fp8-saturation-guard-kurtosis", action="store_true",
+                   help="with --log-fp8-telemetry: the guard also moves a layer to high precision (one step down its "
+                        "ladder) at its kurtosis warning, before its casts saturate; the kurtosis is then that of the "
+                        "stage's whole batch (moments summed over TP x CP x DP), so every rank switches together")
     g.add_argument("--fp8-self-check", action="store_true",
                    help="given alone: check this machine's FP8 kernels (quantize + GEMM per scale mode) against "
                         "fp64, print OK or FAIL per mode and exit (status 1 on a FAIL); no training")
@@ -458,6 +462,16 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
     if args.fp8_saturation_guard_patience < 1:
         errors.append(f"--fp8-saturation-guard-patience must be >= 1, got {args.fp8_saturation_guard_patience}")
     errors += loss_scale_errors(args)
+    if args.fp8_saturation_guard_kurtosis:
+        if not args.fp8_saturation_guard:
+            errors.append("--fp8-saturation-guard-kurtosis acts through the saturation guard: drop "
+                          "--no-fp8-saturation-guard")
+        if not args.log_fp8_telemetry:
+            errors.append("--fp8-saturation-guard-kurtosis needs --log-fp8-telemetry (the kurtosis is measured on "
+                          "logged iterations)")
+        if args.expert_model_parallel_size > 1:
+            errors.append("--fp8-saturation-guard-kurtosis is not built with --expert-model-parallel-size > 1 (the "
+                          "ranks of a stage hold different experts, so their moments cannot be summed)")
     if not args.kurtosis_warning_ratio > 1 or args.kurtosis_warning_window < 1:
         errors.append(f"--kurtosis-warning-ratio must be > 1 and --kurtosis-warning-window >= 1, got "
                       f"{args.kurtosis_warning_ratio} and {args.kurtosis_warning_window}")

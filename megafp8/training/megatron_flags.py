@@ -22,6 +22,7 @@ MEGAFP8_ONLY = frozenset({
     "--rope-scaling-original-max-position-embeddings", "--pipeline-schedule", "--fp8-grad-reduce",
     "--fp8-power-of-2-scale", "--no-fp8-fprop-fast-accum", "--fp8-gemm-autotune", "--log-fp8-telemetry",
     "--no-fp8-saturation-guard", "--fp8-saturation-guard-threshold", "--fp8-saturation-guard-patience",
+    "--fp8-saturation-guard-kurtosis",
     "--fp8-self-check", "--master-weight-dtype", "--optimizer-state-dtype", "--keep-last", "--allow-changed-args",
     "--log-dir", "--compile", "--mx-scale-rounding", "--fp4-no-stochastic-rounding", "--fp4-no-hadamard",
     "--fp4-no-2d-weights", "--fp4-guard-fallback", "--fp4-until-iteration", "--fp4-until-fraction",

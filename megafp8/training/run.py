@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megafp8.checkpoint import CheckpointError
 from megafp8.fp8 import Fp8Recipe
+from megafp8.fp8.kurtosis import KurtosisWarning
 from megafp8.model import ModelConfig
 from megafp8.model.compile import compile_report
 from megafp8.optim import DistributedOptimizer
@@ -158,6 +159,8 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
     if fp8 and args.fp8_saturation_guard:
         guard = saturation_guard(parallel_state, args.fp8_saturation_guard_threshold, args.fp8_saturation_guard_patience,
                                  read_interval=args.log_interval)
+        if args.fp8_saturation_guard_kurtosis:  # before a resume, which restores the warning's windows into it
+            guard.kurtosis_warning = KurtosisWarning(args.kurtosis_warning_ratio, args.kurtosis_warning_window)
     checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
     progress = None
     if args.load:  # the newest of --load's and the non-persistent checkpoints (Megatron-LM: with --load only)

@@ -117,7 +117,10 @@ class Trainer:
         self.train_iters = -(-args.train_samples // args.global_batch_size)
         self.precision_schedule = precision_schedule_from_args(args, self.train_iters)
         self.grad_noise = grad_noise_trigger(args, self.precision_schedule, parallel_state, self.progress)
-        self.kurtosis_warning = KurtosisWarning(args.kurtosis_warning_ratio, args.kurtosis_warning_window)
+        # --fp8-saturation-guard-kurtosis: the guard holds the warning, acts on it and checkpoints its windows.
+        self.kurtosis_guard = guard is not None and guard.kurtosis_warning is not None
+        self.kurtosis_warning = (guard.kurtosis_warning if self.kurtosis_guard
+                                 else KurtosisWarning(args.kurtosis_warning_ratio, args.kurtosis_warning_window))
         # The last pipeline stage computes the loss; its first TP/CP/DP rank speaks for the run.
         ps = parallel_state
         self.is_logging_rank = ps.rank == ps.world_size - ps.tp_size * ps.cp_size * ps.dp_size
@@ -474,15 +477,22 @@ class Trainer:
 
     def _collect_telemetry(self) -> dict[str, float]:
         """The FP8 casts' statistics and the inputs' kurtosis and RMS (moments summed over this rank's TP group, so
-        the values do not depend on the TP layout); the kurtosis warning's lines on the logging rank."""
-        tp = self.ps.tp_group
-        kurtosis = collect_kurtosis(self.ddp.module, (lambda t: dist.all_reduce(t, group=tp.group))
-                                    if tp.size > 1 else None)
+        the values do not depend on the TP layout; with --fp8-saturation-guard-kurtosis over the stage's TP x CP x DP
+        ranks, so every rank of the stage sees the same alarms and the guard switches the same layers on each); the
+        kurtosis warning's lines on each stage's first rank."""
+        group = self.ps.amax_group if self.kurtosis_guard else self.ps.tp_group
+        kurtosis = collect_kurtosis(self.ddp.module, (lambda t: dist.all_reduce(t, group=group.group))
+                                    if group.size > 1 else None)
         enable_kurtosis(self.ddp.module, False)
-        if self.is_logging_rank:
-            for message in self.kurtosis_warning.check(self.progress.iteration, kurtosis):
+        alarms = self.kurtosis_warning.check(self.progress.iteration, kurtosis)
+        messages = [alarm.message for alarm in alarms]
+        telemetry = {**collect_fp8_telemetry(self.ddp.module), **kurtosis}  # before a switch drops a layer's
+        if self.kurtosis_guard:
+            messages += self.guard.switch_early(self.ddp.module, alarms, self.progress.iteration)
+        if self.is_stage_lead:
+            for message in messages:
                 print(f" {message}", flush=True)
-        return {**collect_fp8_telemetry(self.ddp.module), **kurtosis}
+        return telemetry
 
     def _log_guard_switches(self) -> None:
         """Write the saturation guard's new switches to metrics.jsonl. Each stage decides on its own layers:

@@ -194,12 +194,17 @@ class TrainingLog:
         self._append({"iteration": iteration, "fp4_grad_noise_ratio": _finite_or_none(ratio)})
         self._scalars({"train/fp4_grad_noise_ratio": ratio}, iteration)
 
-    def log_guard_switch(self, iteration: int, layer: str, saturated: float) -> None:
-        """The saturation guard moved `layer` to high precision after `iteration` (it saturated `saturated`)."""
-        self._append({"iteration": iteration, "fp8_guard_switch": layer, "saturated": _finite_or_none(saturated)})
+    def log_guard_switch(self, iteration: int, layer: str, saturated: float | None,
+                         kurtosis: float | None = None) -> None:
+        """The saturation guard moved `layer` to high precision after `iteration` (it saturated `saturated`), or,
+        with --fp8-saturation-guard-kurtosis, at its kurtosis warning (`kurtosis`, `saturated` None)."""
+        record = {"iteration": iteration, "fp8_guard_switch": layer, "saturated": _finite_or_none(saturated)}
+        if kurtosis is not None:
+            record["kurtosis"] = _finite_or_none(kurtosis)
+        self._append(record)
         if self.tensorboard is not None:
-            self.tensorboard.add_text("fp8_guard", f"{layer} switched to high precision ({100 * saturated:.2f}% "
-                                      "saturated)", iteration)
+            why = f"input kurtosis {kurtosis:.1f}" if kurtosis is not None else f"{100 * saturated:.2f}% saturated"
+            self.tensorboard.add_text("fp8_guard", f"{layer} switched to high precision ({why})", iteration)
 
     def close(self) -> None:
         if self.tensorboard is not None:
