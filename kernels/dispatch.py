@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from .custom_op_startup import run_eagerly_until_dynamo
 from .gemm_reference import fp8_gemm_reference
 from .quantize_reference import quantize_reference
 from .formats import ScaleLayout, scale_layout
@@ -103,6 +104,9 @@ def _no_transposed_copy(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.
     return x.new_empty(0, dtype=fp8_dtype), x.new_empty(0, dtype=torch.float32)
 
 
+run_eagerly_until_dynamo(_quantize_op)
+
+
 @_quantize_op.register_fake
 def _(x, fp8_dtype, granularity_, power_of_2_scale, scale, transpose, backend, stats=False):
     gran = granularity(granularity_)
@@ -171,6 +175,9 @@ def _fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
                      _declared(layout_a, layout_b))
 
 
+run_eagerly_until_dynamo(_fp8_gemm_op)
+
+
 @_fp8_gemm_op.register_fake
 def _(a, b, scale_a, scale_b, out_dtype, bias, backend, fast_accum=False, layout_a="", layout_b=""):
     mode = check_gemm_args(a, b, scale_a, scale_b, out_dtype, bias, None, False, _declared(layout_a, layout_b))
@@ -183,6 +190,9 @@ def _fp8_gemm_into_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
                       bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool, backend: str,
                       layout_a: str = "", layout_b: str = "") -> None:
     _run_gemm(a, b, scale_a, scale_b, out.dtype, bias, out, accumulate, backend, layouts=_declared(layout_a, layout_b))
+
+
+run_eagerly_until_dynamo(_fp8_gemm_into_op)
 
 
 @_fp8_gemm_into_op.register_fake

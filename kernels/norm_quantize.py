@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .custom_op_startup import run_eagerly_until_dynamo
 from .dispatch import resolve_backend, unaliased_outputs
 from .norm_quantize_reference import rmsnorm_quantize_reference, swiglu_quantize_reference
 from .scaling import Fp8Quantized, Granularity, check_quantize_args, empty_scales, granularity
@@ -56,6 +57,9 @@ def _rmsnorm_quantize_op(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_
     return (*_outputs(q, x, fp8_dtype, transpose, stats), rstd)
 
 
+run_eagerly_until_dynamo(_rmsnorm_quantize_op)
+
+
 @_rmsnorm_quantize_op.register_fake
 def _(x, weight, eps, fp8_dtype, granularity_, power_of_2_scale, scale, transpose, backend, stats=False):
     rstd = x.new_empty((x.shape[0], 1), dtype=torch.float32)
@@ -74,6 +78,9 @@ def _swiglu_quantize_op(gate_up: torch.Tensor, channel_scale: torch.Tensor | Non
     else:
         q = swiglu_quantize_reference(gate_up, channel_scale, fp8_dtype, granularity_, **kwargs)
     return _outputs(q, gate_up, fp8_dtype, transpose, stats)
+
+
+run_eagerly_until_dynamo(_swiglu_quantize_op)
 
 
 @_swiglu_quantize_op.register_fake

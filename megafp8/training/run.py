@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megafp8.checkpoint import CheckpointError
+from megafp8.checkpoint.errors import CheckpointError
 from megafp8.fp8 import Fp8Recipe
 from megafp8.fp8.kurtosis import KurtosisWarning
 from megafp8.model import ModelConfig
@@ -20,7 +20,6 @@ from megafp8.optim.loss_scaler import loss_scaler_from_args
 from megafp8.parallel.data_parallel import DDPConfig, DistributedDataParallel
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.pipeline import build_pipeline
-from megafp8.training.checkpointing import Checkpointer
 from megafp8.training.compilation import apply_compile
 from megafp8.training.data_setup import close_batches
 from megafp8.training.rerun import RerunExit
@@ -161,7 +160,11 @@ def run(args: argparse.Namespace, parallel_state: ParallelState, config: ModelCo
                                  read_interval=args.log_interval)
         if args.fp8_saturation_guard_kurtosis:  # before a resume, which restores the warning's windows into it
             guard.kurtosis_warning = KurtosisWarning(args.kurtosis_warning_ratio, args.kurtosis_warning_window)
-    checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard) if args.save or args.load else None
+    checkpointer = None
+    if args.save or args.load:  # torch.distributed.checkpoint is imported only by runs that use it
+        from megafp8.training.checkpointing import Checkpointer
+
+        checkpointer = Checkpointer(args, parallel_state, pipeline, optimizer, guard)
     progress = None
     if args.load:  # the newest of --load's and the non-persistent checkpoints (Megatron-LM: with --load only)
         try:
