@@ -2,7 +2,8 @@
 on every backend and under any sharding (the optimizer's fp16 encode uses it today; gradient quantizers can too).
 
 Keys come from (seed, step, name): a resumed run draws the same bits. The Triton kernels re-state ``mix32`` on their
-own integer tensors (megafp8.optim.fused_adamw_coded); this file is their twin.
+own integer tensors (counter_hash_triton.py, used by megafp8.optim.fused_adamw_coded and the FP4 casts);
+this file is their twin (it imports no Triton: the reference path of every cast imports it).
 """
 from __future__ import annotations
 
@@ -55,28 +56,3 @@ def counter_uniform_at(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     h = mix32((index & _MASK32) ^ key)
     h = mix32(h ^ (index >> 32) ^ mix32(key ^ 0x9E3779B9))
     return (h >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0 ** -UNIFORM_BITS
-
-
-try:  # the same hash inside Triton kernels (the fused optimizer's fp16 encode): int64 tensors holding 32-bit values
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - Triton is a hard dependency; the torch twin above needs none
-    triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def mix32_triton(x):
-        """mix32 on a Triton int64 tensor."""
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & 0xFFFFFFFF
-        return x ^ (x >> 16)
-
-    @triton.jit
-    def counter_uniform_triton(key, index):
-        """counter_uniform_at on Triton int64 tensors: fp32 uniforms in [0, 1) with UNIFORM_BITS = 24 bits."""
-        h = mix32_triton((index & 0xFFFFFFFF) ^ key)
-        h = mix32_triton(h ^ (index >> 32) ^ mix32_triton(key ^ 0x9E3779B9))
-        return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .counter_hash import counter_uniform_triton
+from .counter_hash_triton import counter_uniform_triton
 from .formats import E2M1, ElementFormat, ScaleFormat, ScaleLayout
 from .microscaling_reference import HADAMARD_SIZE, hadamard_matrix, transposed_key
 from .quantize_triton import _interpreting, to_fp8_bits, triton_fp8_dtype

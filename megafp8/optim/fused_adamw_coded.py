@@ -35,7 +35,7 @@ try:
     import triton.language as tl
 
     from megafp8.optim.reproducible_math import exp2_fp64, log2_fp64
-    from megafp8_kernels.counter_hash import counter_uniform_triton
+    from megafp8_kernels.counter_hash_triton import counter_uniform_triton
 
     _counter_uniform = counter_uniform_triton  # the name the twin tests probe
 except ImportError:  # pragma: no cover - triton is a dependency; the torch twin needs none of it
