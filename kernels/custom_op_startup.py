@@ -32,6 +32,8 @@ def _dynamo_disabled_once_loaded(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         if disabled is None:
             disabled = dynamo.disable(fn, recursive=True)
+            # From now on torch's wrapper calls it directly: this frame, outside torch's files, is never traced.
+            setattr(fn, "__dynamo_disable", disabled)
         return disabled(*args, **kwargs)
 
     return call

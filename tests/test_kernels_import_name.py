@@ -49,8 +49,6 @@ def test_python_m_at_repo_root_gets_pypi_kernels(pypi_kernels, tmp_path):
                    f"sys.argv = ['x', {str(REPO)!r}]; runpy.run_path({str(tmp_path / 'both_packages.py')!r})"],
                   cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = _run([sys.executable, "-m", "both_packages", str(REPO)], cwd=tmp_path)  # control: from elsewhere
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_a_tool_that_puts_the_checkout_first_gets_pypi_kernels(pypi_kernels, tmp_path):

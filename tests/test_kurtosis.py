@@ -4,6 +4,7 @@ the same values at TP=2 + SP built from scratch as at TP=1, the warning rule, an
 metrics.jsonl."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -66,6 +67,32 @@ def test_fp8_layers_record_their_inputs_including_a_fused_prologues_normalized_i
     assert abs(values["fp8/layers.0.self_attention.linear_qkv/input/kurtosis"] - _fp64_kurtosis(normalized)) <= 1e-6
     enable_kurtosis(model, False)
     assert collect_kurtosis(model) == {}  # off: nothing recorded, nothing collected
+
+
+def test_a_steps_micro_batches_add_up_and_a_recomputed_forward_adds_nothing():
+    """Two micro-batches' moments sum to the kurtosis of both together (the step's, at any micro-batch size), the
+    forward that activation recompute repeats in backward is not counted again, and enabling starts from zero."""
+    config = dataclasses.replace(_config(), recompute_granularity="full", recompute_method="uniform",
+                                 recompute_num_layers=1)
+    model = GPTModel(config, ParallelState().init_process_groups(), fp8_recipe=Fp8Recipe.delayed(amax_history_len=4))
+    seen = []
+    norm = model.layers["0"].input_layernorm
+    norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    enable_kurtosis(model, True)
+    model(_ids(config)).float().sum().backward()  # a stale micro-batch, dropped by the enable below
+    enable_kurtosis(model, True)
+    seen.clear()
+    for seed in (5, 6):
+        ids = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(seed))
+        model(ids).float().sum().backward()  # full recompute: layer 0's forward runs again in backward
+    x = torch.cat(seen[0::2]).double()  # the two forwards (each one's recomputation repeats the same input)
+    normalized = norm.weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    assert model.layers["0"].self_attention.linear_qkv.input_moments[0].item() == x.numel()  # each element once
+    value = collect_kurtosis(model)["fp8/layers.0.self_attention.linear_qkv/input/kurtosis"]
+    assert abs(value - _fp64_kurtosis(normalized)) <= 1e-6 * value
+    one = torch.cat(seen[0:1]).double()
+    one = norm.weight.double() * one * torch.rsqrt(one.pow(2).mean(-1, keepdim=True) + norm.eps)
+    assert abs(value - _fp64_kurtosis(one)) > 1e-3 * value  # not the last micro-batch's alone
 
 
 def _tp_body(rank: int, world_size: int) -> None:
@@ -174,7 +201,7 @@ def _kurtosis_guard_run(tmp_path, nproc: int, *extra: str, iters: int = 12) -> t
     above)."""
     flags = [*LLAMA_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
              "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--micro-batch-size", str(4 // nproc), "--global-batch-size", "4", "--train-iters", str(iters),
+             "--micro-batch-size", str(4 // nproc // nproc), "--global-batch-size", "4", "--train-iters", str(iters),
              "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--fp8-format", "hybrid", "--fp8-recipe",
              "delayed", "--log-fp8-telemetry", "--fp8-saturation-guard-kurtosis", "--use-distributed-optimizer",
              "--log-dir", str(tmp_path), *extra]
@@ -189,11 +216,11 @@ def _kurtosis_guard_run(tmp_path, nproc: int, *extra: str, iters: int = 12) -> t
 
 def test_guard_switches_at_the_kurtosis_warning_on_every_rank_and_after_a_resume(tmp_path):
     """--fp8-saturation-guard-kurtosis through the entry: the layer moves to high precision at its warning (logged
-    with its kurtosis, saturation null), 3 iterations before the saturation guard would have moved it. At DP2,
-    stopped just before the outlier and resumed, the kurtosis (moments summed over both ranks) warns and switches at
-    the iteration of the one-process run with the whole batch, and the losses follow it; that needs the warning's
-    windows from the checkpoint (with empty windows the first iteration after the resume cannot warn: checked by
-    breaking it)."""
+    with its kurtosis, saturation null), 3 iterations before the saturation guard would have moved it. At DP2 (two
+    micro-batches of one sample per rank), stopped just before the outlier and resumed, the kurtosis (moments summed
+    over the micro-batches and both ranks) warns and switches at the iteration of the one-process run with the whole
+    batch, and the losses follow it; that needs the warning's windows from the checkpoint (with empty windows the
+    first iteration after the resume cannot warn: checked by breaking it)."""
     layer = "layers.1.mlp.linear_fc2"
     records, stdout = _kurtosis_guard_run(tmp_path / "one", 1)
     switches = [r for r in records if "fp8_guard_switch" in r]
@@ -205,7 +232,8 @@ def test_guard_switches_at_the_kurtosis_warning_on_every_rank_and_after_a_resume
 
     checkpoints = tmp_path / "ckpt"
     first, _ = _kurtosis_guard_run(tmp_path / "first", 2, "--save", str(checkpoints), "--exit-interval", "5")
-    # Each DP rank holds half the batch: the kurtosis both decide on is the whole batch's, the one process's. Compared
+    # Each DP rank holds half the batch in two micro-batches: the kurtosis both decide on is the whole batch's, the one
+    # process's. Compared
     # where no FP8 cast lies upstream (the first layer's QKV input at the first step: the normalized embeddings), as
     # FP8 rounding moves later kurtoses by ~1%; a rank's own half differs by several %.
     qkv = "layers.0.self_attention.linear_qkv"
@@ -232,3 +260,6 @@ def test_kurtosis_guard_flag_errors():
     assert any("needs --log-fp8-telemetry" in e for e in errors), errors
     _, errors, _ = parse_and_check([*base, "--log-fp8-telemetry"], 1)
     assert errors == []
+    _, errors, _ = parse_and_check([*base, "--log-fp8-telemetry", "--num-experts", "4", "--expert-model-parallel-size",
+                                    "2", "--use-distributed-optimizer"], 2)
+    assert any("not built with --expert-model-parallel-size > 1" in e for e in errors), errors

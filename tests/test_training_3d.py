@@ -140,7 +140,9 @@ def fp32_3d_checkpoint(data_prefix, tmp_path_factory) -> tuple[Path, float]:
 
 @pytest.mark.parametrize("layout", [
     ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4"],  # TP1 x PP4 x DP2
-    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--sequence-parallel"],  # DP4
+    # CI time: TP2 -> TP2 with PP2 -> PP1 and DP2 -> DP4 (tests/test_checkpoint_reshard.py reshards TP by itself)
+    pytest.param(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--sequence-parallel"],
+                 marks=pytest.mark.slow),  # DP4
 ], ids=["tp1_pp4_dp2", "tp2_pp1_dp4"])
 def test_checkpoint_reshards_on_load(fp32_3d_checkpoint, layout, data_prefix, tmp_path):
     save, expected = fp32_3d_checkpoint

@@ -351,10 +351,14 @@ def _restore_guard(guard: Any, rank_states: list[dict], model: Models) -> None:
         if "kurtosis_warning" in state:
             kurtosis["history"].update(state["kurtosis_warning"]["history"])
             kurtosis["warned"].update(state["kurtosis_warning"]["warned"])
-    for chunk in [model] if isinstance(model, nn.Module) else list(model):
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    held = {name for chunk in chunks for name, _ in chunk.named_modules()}  # this rank's layers, every chunk's
+    for chunk in chunks:
         mine = switched & {name for name, _ in chunk.named_modules()}
         merged = {"strikes": strikes, "switched": sorted(mine),
                   "demotions": {name: demotions[name] for name in mine if name in demotions}}
         if kurtosis["history"]:
-            merged["kurtosis_warning"] = {"history": kurtosis["history"], "warned": sorted(kurtosis["warned"])}
+            merged["kurtosis_warning"] = {
+                "history": {name: values for name, values in kurtosis["history"].items() if name in held},
+                "warned": sorted(kurtosis["warned"] & held)}
         guard.load_state_dict(merged, chunk)

@@ -3,9 +3,9 @@
 The kurtosis of a tensor's elements is ``E[(x - mean)^4] / Var(x)^2`` (3 for a Gaussian, 6 for a Laplace; outlier
 features push it up long before a cast saturates). A layer with ``kurtosis_enabled`` keeps the raw moments of its
 input, ``[n, sum x, sum x^2, sum x^3, sum x^4]`` in fp64 on the device, computed where the input is quantized (the
-normalized input of a fused RMSNorm prologue, the SwiGLU output of FC2's). The trainer turns it on for the
-steps that log FP8 telemetry only (one reduction pass over each input then, none otherwise), sums the moments
-over the tensor-parallel group (sequence shards under SP, hidden slices of a row-parallel input, or identical
+normalized input of a fused RMSNorm prologue, the SwiGLU output of FC2's), summed over the step's micro-batches.
+The trainer turns it on for the steps that log FP8 telemetry only (one reduction pass over each input then, none
+otherwise), sums the moments over the tensor-parallel group (sequence shards under SP, hidden slices of a row-parallel input, or identical
 copies, which leave the ratios unchanged), and derives kurtosis and RMS: the same values at any TP layout.
 
 ``KurtosisWarning``: a layer whose kurtosis reaches ``ratio`` x its lowest value over the previous ``window``
@@ -38,16 +38,20 @@ def kurtosis_and_rms(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def record_input_moments(layer: nn.Module, x: torch.Tensor) -> None:
-    """Keep ``x``'s moments on ``layer`` (the FP8 op calls it while ``layer.kurtosis_enabled``). Inside a compiled
-    graph, which cannot store a new reference on the layer, they go into the slot ``add_moments_slot`` gave it."""
+    """Add ``x``'s moments to ``layer``'s (the FP8 op calls it while ``layer.kurtosis_enabled``): the step's
+    micro-batches together, as the loss. Inside a compiled graph, which cannot store a new reference on the layer,
+    they go into the slot ``add_moments_slot`` gave it (zeroed by ``enable_kurtosis``). A forward recomputed in
+    backward adds nothing (eagerly; a compiled one replays its graph, counting its micro-batch twice, which leaves
+    every ratio unchanged when every micro-batch is recomputed alike)."""
     if torch.compiler.is_compiling():
-        layer.__dict__["input_moments_slot"].copy_(input_moments(x))
-    else:
-        layer.input_moments = input_moments(x)
+        layer.__dict__["input_moments_slot"].add_(input_moments(x))
+    elif torch._C._current_graph_task_id() == -1:
+        moments = input_moments(x)
+        layer.input_moments = moments if layer.input_moments is None else layer.input_moments + moments
 
 
 def add_moments_slot(layer: nn.Module, device: torch.device) -> None:
-    """Give ``layer`` moments it owns, written in place by its compiled graph (call it eagerly before the compiled
+    """Give ``layer`` moments it owns, added to in place by its compiled graph (call it eagerly before each compiled
     call, as the FP8 telemetry's slots: megafp8.model.compile)."""
     slot = layer.__dict__.get("input_moments_slot")
     if slot is None:
@@ -56,11 +60,14 @@ def add_moments_slot(layer: nn.Module, device: torch.device) -> None:
 
 
 def enable_kurtosis(model: nn.Module, enabled: bool) -> None:
+    """Record the FP8 layers' input moments from now on (from zero), or stop and drop them."""
     for module in model.modules():
         if hasattr(module, "fp8_telemetry"):
             module.kurtosis_enabled = enabled
-            if not enabled:
-                module.input_moments = None
+            module.input_moments = None
+            slot = module.__dict__.get("input_moments_slot")
+            if enabled and slot is not None:
+                slot.zero_()
 
 
 def collect_kurtosis(model: nn.Module, all_reduce_sum=None) -> dict[str, float]:

@@ -278,6 +278,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_high = prologue.forward(raw, *prologue_params)[0] if fused is not None else x
         if layer.kurtosis_enabled:
             record_input_moments(layer, x_high)
+        probe_x = x_high.detach().reshape(-1, x_high.shape[-1]) if probes else None
+        x_high = None  # the fused path recomputed it: not held through the GEMM
 
         # ---- quantize x (and keep x^T for wgrad); under SP gather this rank's FP8 shard ----
         if fused is not None and args.sp_input is not None:  # this rank's shard, cast by the fused kernel
@@ -301,7 +303,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                      observe=args.observe)
             x_t = _transposed_parts(x_fp8) if needs_wgrad else None
 
-        probe_x = x_high.detach().reshape(-1, x_high.shape[-1]) if probes else None
 
         # ---- fprop GEMM; a row-parallel output is reduce-scattered to this rank's sequence shard ----
         if recipe.fprop_high_precision:  # the NVFP4 paper's late switch of the forward GEMMs only (precision_schedule.py)
