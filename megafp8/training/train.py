@@ -312,8 +312,10 @@ class Trainer:
                     work = self._rank_work_ms(elapsed, self._window_iters)
                     moe = (collect_moe_stats(self.pipeline.chunks, self.ps.amax_group, self.ps.pp_group,
                                              self.ps.dp_size) if self.has_moe else {})
+                    # The histograms first: a layer the kurtosis rule switches in _collect_telemetry drops its stats.
+                    histograms = collect_block_scale_histograms(self.ddp.module) if telemetry else None
                     self._log(loss, lr, grad_norm, elapsed, self._collect_telemetry() if telemetry else None,
-                              collect_block_scale_histograms(self.ddp.module) if telemetry else None,
+                              histograms,
                               loss_scale=scale[0] if scale else None, moe=moe, rank_work_ms=work,
                               rerun_differences=self.rerun.take_differences() if self.rerun is not None else None)
                     self._log_guard_switches()
