@@ -5,8 +5,9 @@ features push it up long before a cast saturates). A layer with ``kurtosis_enabl
 input, ``[n, sum x, sum x^2, sum x^3, sum x^4]`` in fp64 on the device, computed where the input is quantized (the
 normalized input of a fused RMSNorm prologue, the SwiGLU output of FC2's), summed over the step's micro-batches.
 The trainer turns it on for the steps that log FP8 telemetry only (one reduction pass over each input then, none
-otherwise), sums the moments over the tensor-parallel group (sequence shards under SP, hidden slices of a row-parallel input, or identical
-copies, which leave the ratios unchanged), and derives kurtosis and RMS: the same values at any TP layout.
+otherwise), sums the moments over the tensor-parallel group (sequence shards under SP, hidden slices of a
+row-parallel input, or identical copies, which leave the ratios unchanged), and derives kurtosis and RMS: the same
+values at any TP layout.
 
 ``KurtosisWarning``: a layer whose kurtosis reaches ``ratio`` x its lowest value over the previous ``window``
 logged values gets one warning (again only after it fell back below that bound); with

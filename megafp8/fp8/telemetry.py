@@ -311,10 +311,7 @@ class SaturationGuard:
             self.strikes[name] = int(strikes)
             if not tripped:
                 continue
-            _demote(module)
-            module.fp8_telemetry.clear()
-            self.switched.add(name)
-            self.demotions[name] = self.demotions.get(name, 0) + 1
+            to = self._step_down(name, module)
             if not module.runs_high_precision:
                 self.strikes[name] = 0  # moved to FP8 (from FP4): checked afresh in its new format
             switched = True
@@ -322,11 +319,18 @@ class SaturationGuard:
             self.events.append({"iteration": at if at >= 0 else iteration, "layer": name, "saturated": fraction})
             when = f" at iteration {at}" if at >= 0 else ""
             later = f" (applied at iteration {iteration})" if iteration is not None and 0 <= at < iteration else ""
-            to = "high precision" if module.runs_high_precision else f"{module.recipe.scaling} {module.recipe.fp8_format}"
             self._messages.append(f"fp8 guard: {name or 'model'} saturated {fraction:.2%} > {self.threshold:.2%} for "
                                   f"{self.patience} checks{when}: switched to {to}{later}")
         if switched:  # the next check starts afresh from the host strikes, without the switched layers
             self._start([], [])
+
+    def _step_down(self, name: str, module: nn.Module) -> str:
+        """Move ``module`` one step down its ladder and record the switch; returns where it went, for the message."""
+        _demote(module)
+        module.fp8_telemetry.clear()
+        self.switched.add(name)
+        self.demotions[name] = self.demotions.get(name, 0) + 1
+        return "high precision" if module.runs_high_precision else f"{module.recipe.scaling} {module.recipe.fp8_format}"
 
     def switch_early(self, model: nn.Module, alarms, iteration: int) -> list[str]:
         """Switch the layers of ``alarms`` (KurtosisAlarm: a layer's input kurtosis grew past --kurtosis-warning-ratio
@@ -342,20 +346,14 @@ class SaturationGuard:
                 module = modules[alarm.layer]
                 if module.runs_high_precision:  # that read just switched it
                     continue
-                _demote(module)
-                module.fp8_telemetry.clear()
-                self.switched.add(alarm.layer)
-                self.demotions[alarm.layer] = self.demotions.get(alarm.layer, 0) + 1
+                to = self._step_down(alarm.layer, module)
                 self.strikes[alarm.layer] = 0
                 self.events.append({"iteration": iteration, "layer": alarm.layer, "saturated": None,
                                     "kurtosis": alarm.kurtosis})
-                to = ("high precision" if module.runs_high_precision
-                      else f"{module.recipe.scaling} {module.recipe.fp8_format}")
                 self._messages.append(
                     f"fp8 guard: {alarm.layer} input kurtosis {alarm.kurtosis:.1f} reached "
                     f"{alarm.kurtosis / alarm.low:.1f}x its recent low ({alarm.low:.1f}) at iteration {iteration}: "
-                    f"switched to {to} "
-                    "(--fp8-saturation-guard-kurtosis)")
+                    f"switched to {to} (--fp8-saturation-guard-kurtosis)")
             self._start([], [])  # the next check starts afresh without the switched layers
         messages, self._messages = self._messages, []
         return messages
