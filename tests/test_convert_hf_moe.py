@@ -169,14 +169,16 @@ def test_qwen3_moe_decoder_sparse_step_through_the_converter(tmp_path):
     assert (exported["decoder_sparse_step"], exported["mlp_only_layers"]) == (1, [0, 2])  # the same layers
 
 
-# ---- TP=2 with sequence parallelism x PP=2 (x EP=2) -------------------------------------------------------------
+# ---- TP=2 with sequence parallelism x PP=2 (x EP=2 or ETP=2) -------------------------------------------------------
 
-LAYOUTS = {"ep1": {}, "ep2": dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1)}
+LAYOUTS = {"ep1": {}, "ep2": dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+           "etp2": dict(expert_tensor_parallel_size=2)}  # each expert split over the two TP ranks
 
 
 def tp2_sp_pp2_body(rank: int, world_size: int, roots: list[str]) -> None:
-    """For each layout (TP=2 + SP x PP=2, then the same with the experts split over EP=2) and root: load the converted
-    checkpoint into the stages, compare the logits with transformers', save the stages in saved_<layout>/."""
+    """For each layout (TP=2 + SP x PP=2, then the same with the experts split over EP=2, then each expert split over
+    ETP=2) and root: load the converted checkpoint into the stages, compare the logits with transformers', save the
+    stages in saved_<layout>/."""
     for layout, expert_layout in LAYOUTS.items():
         ps = ParallelState(world_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                            sequence_parallel=True, **expert_layout).init_process_groups()
@@ -208,7 +210,7 @@ def _check_at_tp2_sp_pp2(root: Path, ps: ParallelState, layout: str) -> None:
 
 
 @pytest.mark.distributed
-def test_hf_moe_runs_at_tp2_sp_pp2_ep2_and_exports_back(tmp_path):
+def test_hf_moe_runs_at_tp2_sp_pp2_with_ep2_or_etp2_and_exports_back(tmp_path):
     roots = []
     for family, fields in (("mixtral", {}), ("qwen3_moe", dict(mlp_only_layers=[0]))):
         root = tmp_path / family

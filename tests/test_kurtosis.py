@@ -263,3 +263,6 @@ def test_kurtosis_guard_flag_errors():
     _, errors, _ = parse_and_check([*base, "--log-fp8-telemetry", "--num-experts", "4", "--expert-model-parallel-size",
                                     "2", "--use-distributed-optimizer"], 2)
     assert any("not built with --expert-model-parallel-size > 1" in e for e in errors), errors
+    _, errors, _ = parse_and_check([*base, "--log-fp8-telemetry", "--num-experts", "4", "--expert-tensor-parallel-size",
+                                    "2", "--use-distributed-optimizer"], 2)
+    assert any("not built with --expert-tensor-parallel-size > 1" in e for e in errors), errors

@@ -1,5 +1,5 @@
 """MoE through `megafp8.pretrain`, as users run it: built from scratch at every layout (TP2 + SP x DP2 with ZeRO, PP2
-under a zero-bubble schedule, CP2), each reproduces the single-process run's per-step losses, grad norms, balancing
+under a zero-bubble schedule, CP2, EP, ETP), each reproduces the single-process run's per-step losses, grad norms, balancing
 losses and expert loads in fp32; FP8 stays within FP8's bounds; checkpoints (the expert biases included) resume
 bit-exact and load at another layout."""
 from __future__ import annotations
@@ -78,8 +78,15 @@ LAYOUTS = {
     "ep4-tp2-sp-dp2-allgather": (4, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
                                      "--sequence-parallel", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
     "ep2-dp2-allgather": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
+    # expert tensor parallelism: each expert split over the TP ranks (ETP x EP x DP below: test_expert_tensor_...)
+    "etp2-tp2-sp-dp2": (4, ["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                            "--sequence-parallel", *ZERO]),
+    "etp2-ep2-tp2-sp-pp2-allgather": (8, ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                          "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                          "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", *ZERO,
+                                          "--moe-token-dispatcher-type", "allgather"]),
 }
-SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b", "ep2-dp2", "ep2-dp2-allgather")
+SLOW_LAYOUTS = ("cp2", "ep2-cp2", "ep2-pp2-1f1b", "ep2-dp2", "ep2-dp2-allgather", "etp2-ep2-tp2-sp-pp2-allgather")
 
 
 @pytest.mark.distributed
@@ -219,6 +226,46 @@ def test_an_ep2_checkpoint_resumes_bit_exact_and_loads_at_ep1_and_ep4(single_pro
     _assert_same_run(_train(tmp_path, "ep1", 1, *load), reference[2:])
     _assert_same_run(_train(tmp_path, "ep4", 4, *load, "--expert-model-parallel-size", "4",
                             "--tensor-model-parallel-size", "2", "--sequence-parallel", *ZERO), reference[2:])
+
+
+@pytest.mark.distributed
+def test_expert_tensor_parallelism_built_from_scratch_reproduces_the_single_process_run_and_reshards(single_process):
+    """ETP2 x EP2 on four ranks (TP = 1: each expert split over two data-parallel ranks, which gather each other's
+    rows): from scratch it reproduces the one-process run, its rows travel as etp_* traffic, and its checkpoint (each
+    expert weight saved as ETP pieces) resumes bit-exact and loads whole at EP1."""
+    tmp_path, reference = single_process
+    etp = ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2", *ZERO]
+    uninterrupted = _train(tmp_path, "etp2-ep2", 4, *etp)
+    _assert_same_run(uninterrupted, reference)
+    assert all(r["comm_bytes"]["etp_allgather"] > 0 and r["comm_bytes"]["etp_reduce_scatter"] > 0
+               and r["comm_bytes"]["tp_sp_allgather"] == 0 for r in uninterrupted)
+    _train(tmp_path, "etp-first", 4, *etp, "--save", str(tmp_path / "etp-ckpt"), "--exit-interval", "2")
+    load = ["--load", str(tmp_path / "etp-ckpt")]
+    resumed = _train(tmp_path, "etp-resumed", 4, *etp, *load)
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in uninterrupted[2:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in uninterrupted[2:]]
+    _assert_same_run(_train(tmp_path, "etp-ep1", 1, *load), reference[2:])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # CI time: an ETP expert's FP8 linears are the dense layers' sequence-parallel FP8 path (default)
+@pytest.mark.parametrize("recipe", [["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-power-of-2-scale"],
+                                    ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]], ids=["blockwise", "delayed"])
+def test_fp8_experts_split_over_etp2_track_the_one_process_fp8_run(single_process, recipe):
+    """ETP2 x EP2 in FP8: each expert's rows gathered as FP8 bytes over ETP, its shards' scales those of the whole
+    weight; the losses follow the one-process run of the same recipe (the gathered rows group other tokens into
+    wgrad's blocks: not bit for bit) and stay within 1% of fp32."""
+    tmp_path, _ = single_process
+    wide = ["--hidden-size", "128", "--moe-ffn-hidden-size", "128"]
+    etp = _train(tmp_path, f"etp-{recipe[3]}", 4, *wide, *recipe, "--expert-tensor-parallel-size", "2",
+                 "--expert-model-parallel-size", "2", *ZERO)
+    one = _train(tmp_path, f"one-{recipe[3]}", 1, *wide, *recipe)
+    fp32 = _train(tmp_path, "wide-fp32", 1, *wide)
+    for a, e, r in zip(etp, one, fp32):
+        assert abs(a["lm_loss"] - e["lm_loss"]) <= 2e-3 * e["lm_loss"], (a, e)
+        assert abs(a["grad_norm"] - e["grad_norm"]) <= 0.03 * e["grad_norm"], (a, e)
+        assert abs(a["lm_loss"] - r["lm_loss"]) <= 0.01 * r["lm_loss"], (a, r)
+    assert all(r["comm_bytes"]["etp_allgather"] > 0 for r in etp)
 
 
 @pytest.mark.distributed

@@ -21,13 +21,13 @@ from megafp8.fp8.prologue import RMSNormPrologue, SwiGLUPrologue
 from megafp8.model.config import ModelConfig
 from megafp8.model.xielu import XIELU
 from megafp8.parallel.parallel_state import ParallelState
-from megafp8.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
+from megafp8.parallel.tensor_parallel import ColumnParallelLinear, LinearLayout, RowParallelLinear, init_method_normal
 
 
 class MLP(nn.Module):
     """``[s/TP or s, b, hidden]`` -> fc1 -> ``[s, b, 2 * ffn/TP]`` -> SwiGLU -> fc2 -> same shape as the input."""
 
-    def __init__(self, config: ModelConfig, parallel_state: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState | LinearLayout) -> None:
         super().__init__()
         self.activation = config.activation
         gated = self.activation != "xielu"

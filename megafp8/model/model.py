@@ -190,7 +190,7 @@ class GPTModel(nn.Module):
         self.rng: ModelParallelRNG | None = rng
         aliases = {"output_layer.weight": "embedding.weight"} if config.tie_embeddings and not pre_process else {}
         initialize_parameters(self, config.seed, self.tp.rank, self.tp.size, vocab_size=config.vocab_size,
-                              aliases=aliases)
+                              aliases=aliases, group_coords=parallel_state.group_coordinates())
 
     def _run_layers(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         layers = list(self.layers.values())

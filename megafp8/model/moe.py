@@ -12,15 +12,19 @@ context parallelism: routing is per token, so nothing is gathered)::
                                 --moe-token-dispatcher-type allgather every rank gathers every token, runs its
                                 experts on their choices and the per-token sums are reduce-scattered back
     experts                  -> expert e's SwiGLU MLP on its rows, a loop of GEMMs (each an FP8 linear under the
-                                run's recipe, like the dense MLP's)
+                                run's recipe, like the dense MLP's; split over the etp group with ETP > 1)
     combine                  -> each row times its weight, the k rows of a token summed in fp32 in a fixed order
     + shared experts         -> a dense MLP of --moe-shared-expert-intermediate-size on every token
 
-Experts are whole (ETP = 1). Without expert parallelism every rank holds all of them: their weights, like the
-router's, are copies on each TP rank whose gradients are summed over TP under sequence parallelism (each TP rank
+By default experts are whole (ETP = 1). Without expert parallelism every rank holds all of them: their weights, like
+the router's, are copies on each TP rank whose gradients are summed over TP under sequence parallelism (each TP rank
 routed different tokens) and averaged over DP x CP like every dense weight. With --expert-model-parallel-size E a
 rank holds E-th of them, and each expert's gradient is summed over its holders (the expert-data-parallel group)
-before the same division by DP x CP (megafp8.parallel.data_parallel). Parameter names are Megatron-Core's (``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1.weight``,
+before the same division by DP x CP (megafp8.parallel.data_parallel). With --expert-tensor-parallel-size T each
+expert is split over T ranks (the etp group, which holds the same experts) as the dense MLP over TP under sequence
+parallelism: an expert's fc1 all-gathers its rows from the T ranks (FP8 bytes in FP8, as the dense layers), fc2
+reduce-scatters its outputs back, each rank's rows padded to the most any of the T has (Megatron-Core's ETP); each
+piece's gradient is then summed over its holders as above. Parameter names are Megatron-Core's (``mlp.router.weight``, ``mlp.experts.local_experts.{e}.linear_fc1.weight``,
 ``mlp.shared_experts.linear_fc1.weight``), with the global expert index e.
 
 The load-balancing and z losses enter the gradient without a loss term in the pipeline: their gradient is attached
@@ -34,15 +38,18 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8.autocast import resolve_recipe
 from megafp8.model.config import ModelConfig
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
+from megafp8.parallel import collectives as C
 from megafp8.parallel.expert_dispatch import AllGatherExchange, ExpertExchange
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.placement import Placement
+from megafp8.parallel.tensor_parallel import LinearLayout
 
 
 class MoELayer(nn.Module):
@@ -59,22 +66,33 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.dispatcher = config.moe_token_dispatcher_type
         self.router = TopKRouter(config, parallel_state)
-        # Expert weights are whole on each rank: their linears are built on a one-rank layout (no split, no collective).
-        # Under expert parallelism this rank holds experts [r E/EP, (r+1) E/EP), named by their global index.
-        one_rank = ParallelState().init_process_groups()
+        # Under expert parallelism this rank holds experts [r E/EP, (r+1) E/EP), named by their global index. With
+        # ETP = 1 each is whole: its linears are built on a one-rank layout (no split, no collective). With ETP > 1
+        # each is split over the etp group as the dense MLP over TP (fc1 by output, fc2 by input features), its rows
+        # entering and leaving split over that group as sequence parallelism's sequence (see _run_experts).
+        self.etp = parallel_state.group("etp")
+        experts_layout = ParallelState().init_process_groups()
+        if self.etp.size > 1:  # the linears' sequence-parallel traffic, charged as ETP's
+            counters = C.RenamedKinds(self.etp.counters, {"tp_sp_allgather": "etp_allgather",
+                                                          "tp_reduce_scatter": "etp_reduce_scatter"})
+            experts_layout = LinearLayout(dataclasses.replace(self.etp, counters=counters), sequence_parallel=True)
         expert_ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
         expert_config = dataclasses.replace(config, ffn_hidden_size=expert_ffn)
         self.ep = parallel_state.group("ep")
         per_rank = config.num_experts // self.ep.size
         self.first_expert = self.ep.rank * per_rank
         self.experts = nn.Module()
-        self.experts.local_experts = nn.ModuleDict({str(e): MLP(expert_config, one_rank)
+        self.experts.local_experts = nn.ModuleDict({str(e): MLP(expert_config, experts_layout)
                                                     for e in range(self.first_expert, self.first_expert + per_rank)})
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             self.shared_experts = MLP(shared, parallel_state)  # tensor-parallel, like the dense MLP
         for param in self.experts.parameters():
+            if self.etp.size > 1:  # a piece on each ETP rank; each piece's holders together saw every routed token
+                param.placement = Placement(shard_group="etp", shard_dim=param.partition_dim,
+                                            shard_stride=param.partition_stride, grad_sync_group="edp")
+                continue
             param.tensor_model_parallel = False  # whole on every rank holding it (initialised as one tensor)
             if self.ep.size == 1:  # copies on every TP rank: each TP rank's grads are partial sums (routed tokens)
                 param.sequence_parallel = parallel_state.sequence_parallel
@@ -150,14 +168,24 @@ class MoELayer(nn.Module):
             sizes = [size] * self.num_experts
         else:
             sizes = counts.tolist()
+        # Under ETP an expert's linears gather its rows from every ETP rank and reduce-scatter their outputs back, in
+        # equal pieces: each rank pads its rows of an expert to the most any ETP rank has of it.
+        run_sizes = self._most_rows_over_etp(sizes) if self.etp.size > 1 else sizes
         outputs = []
-        for expert, chunk in zip(self.experts.local_experts.values(), rows.split(sizes)):
+        for expert, chunk, most in zip(self.experts.local_experts.values(), rows.split(sizes), run_sizes):
             n = chunk.shape[0]
-            padded = _round_up(max(n, 1), align)
+            padded = _round_up(max(most, 1), align)
             run = chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])])
             outputs.append(expert(run.unsqueeze(1), fuse_activation=True).squeeze(1)[:n])
         outputs = torch.cat(outputs)
         return outputs if slots is None else outputs[slots]
+
+    def _most_rows_over_etp(self, sizes: list[int]) -> list[int]:
+        """Each local expert's largest row count over the ETP ranks (a small all-gather, read on the host)."""
+        mine = torch.tensor(sizes, dtype=torch.int64, device=self.router.weight.device)
+        every = torch.empty(self.etp.size * len(sizes), dtype=torch.int64, device=mine.device)
+        dist.all_gather_into_tensor(every, mine, group=self.etp.group)
+        return every.view(self.etp.size, -1).amax(0).tolist()
 
     def _experts_run_low_precision(self, planned: bool = False) -> bool:
         """Whether this rank's experts run an 8- or 4-bit recipe now; ``planned``: by the precision plan alone (the

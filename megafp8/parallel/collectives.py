@@ -50,6 +50,8 @@ COMM_KINDS: tuple[str, ...] = (
     "embedding_allreduce",  # tied-embedding grad all-reduce between first and last PP stage
     "ep_alltoall",          # MoE token dispatch to the experts' ranks and the combine back (expert parallelism)
     "ep_allgather",         # the same with --moe-token-dispatcher-type allgather: tokens gathered, sums reduce-scattered
+    "etp_allgather",        # --expert-tensor-parallel-size: an expert's rows gathered from its ETP ranks (and in backward)
+    "etp_reduce_scatter",   # its outputs reduce-scattered back to them (and its rows' gradient in backward)
 )
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names; GPU machines
@@ -105,6 +107,26 @@ class CommCounters:
         snap = self.snapshot()
         self.reset()
         return snap
+
+
+class RenamedKinds:
+    """A view of counters that charges some kinds as others: the tensor-parallel linears count their collectives as
+    ``tp_*``, and the same linears inside an expert split over ETP charge them as ``etp_*`` through this."""
+
+    def __init__(self, counters: CommCounters, renamed: dict[str, str]) -> None:
+        self._counters, self._renamed = counters, renamed
+
+    def add(self, kind: str, nbytes: int, ranks: tuple[int, ...] = ()) -> None:
+        self._counters.add(self._renamed.get(kind, kind), nbytes, ranks)
+
+    def __getattr__(self, name: str):
+        return getattr(self._counters, name)
+
+    def __setattr__(self, name: str, value) -> None:  # wait_seconds += ...: the real counters' clock
+        if name in ("_counters", "_renamed"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._counters, name, value)
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,8 @@ def build_on_device(device: torch.device | str) -> Iterator[None]:
 
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int, *,
-                          vocab_size: int | None = None, aliases: Mapping[str, str] | None = None) -> list[str]:
+                          vocab_size: int | None = None, aliases: Mapping[str, str] | None = None,
+                          group_coords: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
     """Initialize every parameter of ``module`` that carries an ``init_method`` from the generator of
     ``(seed, name)``, full tensor then this rank's shard, one tensor at a time.
 
@@ -179,7 +180,9 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
     copy of a tied embedding is drawn as ``embedding.weight``). Parameters without ``init_method``
     (norm weights = 1, biases = 0) are deterministic already. Meta parameters are skipped, except under
     ``build_on_device``: there each gets its storage on the build device first (none on "meta", where the
-    build is shapes only: tools/bench/bench_host_overhead.py). Returns the names initialized.
+    build is shapes only: tools/bench/bench_host_overhead.py). A parameter whose placement splits it over another
+    group than TP (an expert over ETP) takes its shard by its (rank, size) in ``group_coords``
+    (ParallelState.group_coordinates()). Returns the names initialized.
     """
     aliases = aliases or {}
     build_device = _BUILD_DEVICE.get()
@@ -199,7 +202,8 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
         elif init_method is None:
             continue
         generator = parameter_generator(seed, aliases.get(name, name), param.device)
-        initialize_parameter_(param, init_method, tp_rank, tp_size, generator=generator, vocab_size=vocab_size)
+        rank, size = _shard_coords(param, tp_rank, tp_size, group_coords)
+        initialize_parameter_(param, init_method, rank, size, generator=generator, vocab_size=vocab_size)
         done.append(name)
     if build_device is not None:
         uninitialized = [name for name, buffer in module.named_buffers() if buffer.device.type == "meta"]
@@ -207,6 +211,18 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
             raise ValueError(f"buffers {uninitialized} were allocated with torch.empty under build_on_device and "
                              "have no values: create them with their values (torch.zeros, torch.full, ...)")
     return done
+
+
+def _shard_coords(param: torch.Tensor, tp_rank: int, tp_size: int,
+                  group_coords: Mapping[str, tuple[int, int]] | None) -> tuple[int, int]:
+    """(rank, size) in the group splitting ``param``: TP's unless its own placement names another group."""
+    placement = getattr(param, "placement", None)
+    if placement is None or not placement.sharded or placement.shard_group == "tp":
+        return tp_rank, tp_size
+    if group_coords is None or placement.shard_group not in group_coords:
+        raise ValueError(f"a parameter split over the {placement.shard_group!r} group needs that group's (rank, size) "
+                         "in group_coords to draw its shard")
+    return group_coords[placement.shard_group]
 
 
 # ---- model-parallel RNG -------------------------------------------------------------------------------

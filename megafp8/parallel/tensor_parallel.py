@@ -19,6 +19,8 @@ everything around it (entering/leaving the TP region, bias, gather_output) stays
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,16 @@ from megafp8.parallel.mappings import (
 from megafp8.parallel.parallel_state import ParallelState
 from megafp8.parallel.random import InitMethod, NormalInit, initialize_parameter_, set_init_method
 from megafp8.parallel.sharding import set_tensor_model_parallel_attributes, vocab_range
+
+
+@dataclass(frozen=True)
+class LinearLayout:
+    """What the linears below read of a layout, when it is not the model's ParallelState: the group splitting them
+    and whether rows enter and leave split over it (as the sequence under SP). A MoE expert's linears under
+    --expert-tensor-parallel-size get the etp group, its rows split over it (megafp8.model.moe)."""
+
+    tp_group: C.GroupHandle
+    sequence_parallel: bool
 
 
 def init_method_normal(std: float) -> InitMethod:
@@ -116,7 +128,8 @@ class ColumnParallelLinear(Fp8GemmModule):
     ``forward`` (same ``[vocab/TP, hidden]`` shard).
     """
 
-    def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState, *, bias: bool = False,
+    def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState | LinearLayout, *,
+                 bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool | None = None,
                  init_method: InitMethod | None = None, partition_stride: int = 1,
                  skip_weight_param_allocation: bool = False, padded_vocab: bool = False,
@@ -207,7 +220,8 @@ class RowParallelLinear(Fp8GemmModule):
     ``sequence_parallel`` for ``allreduce_sequence_parallel_grads``.
     """
 
-    def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState, *, bias: bool = False,
+    def __init__(self, input_size: int, output_size: int, parallel_state: ParallelState | LinearLayout, *,
+                 bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool | None = None,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, fp8_recipe: Fp8Recipe | None = None,

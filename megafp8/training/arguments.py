@@ -472,6 +472,10 @@ def argument_errors(args: argparse.Namespace, world_size: int) -> list[str]:
         if args.expert_model_parallel_size > 1:
             errors.append("--fp8-saturation-guard-kurtosis is not built with --expert-model-parallel-size > 1 (the "
                           "ranks of a stage hold different experts, so their moments cannot be summed)")
+        if (args.expert_tensor_parallel_size or 1) > 1:
+            errors.append("--fp8-saturation-guard-kurtosis is not built with --expert-tensor-parallel-size > 1 (the "
+                          "ranks of an expert's ETP group see the same gathered rows: a stage-wide sum counts them "
+                          "twice)")
     if not args.kurtosis_warning_ratio > 1 or args.kurtosis_warning_window < 1:
         errors.append(f"--kurtosis-warning-ratio must be > 1 and --kurtosis-warning-window >= 1, got "
                       f"{args.kurtosis_warning_ratio} and {args.kurtosis_warning_window}")

@@ -53,8 +53,9 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                         "Core's parallel folding: they come from the TP x CP x DP ranks), tokens dispatched by "
                         "all-to-all")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="ETP: each expert split over this many ranks; only 1 is built (whole experts), the default "
-                        "with --num-experts")
+                   help="ETP: each expert split over this many ranks of a pipeline stage as the dense MLP over TP "
+                        "(its rows all-gathered over them, its outputs reduce-scattered back); default 1 (whole "
+                        "experts) with --num-experts")
     g.add_argument("--moe-token-dispatcher-type", choices=TOKEN_DISPATCHERS, default=d["moe_token_dispatcher_type"],
                    help="how tokens reach their experts' ranks under EP: alltoall (each choice's row to its expert's "
                         "rank and back) or allgather (every rank gathers every token and reduce-scatters the sums: "
@@ -64,7 +65,7 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def expert_tensor_parallel_size(args: argparse.Namespace) -> int | None:
-    """--expert-tensor-parallel-size, 1 for a MoE model when not given (whole experts: the only layout built); None
+    """--expert-tensor-parallel-size, 1 for a MoE model when not given (whole experts, not Megatron's TP size); None
     (the TP size, Megatron's default) for a dense one, whose expert view is then the dense view."""
     if args.expert_tensor_parallel_size is not None:
         return args.expert_tensor_parallel_size
@@ -83,13 +84,14 @@ def moe_flag_errors(args: argparse.Namespace) -> list[str]:
         return errors
     if ep >= 1 and args.num_experts % ep:
         errors.append(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
-    if args.expert_tensor_parallel_size not in (None, 1):
-        errors.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: only 1 is built (each "
-                      "expert whole on its rank)")
-    if ep > 1:
-        if not args.use_distributed_optimizer:
-            errors.append("--expert-model-parallel-size > 1 needs --use-distributed-optimizer (the ZeRO optimizer "
-                          "shards the experts over their expert-data-parallel group)")
+    etp = args.expert_tensor_parallel_size or 1
+    expert_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    if etp > 1 and expert_ffn is not None and expert_ffn % etp:
+        errors.append(f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by --expert-tensor-parallel-size ({etp})")
+    for flag, size in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        if size > 1 and not args.use_distributed_optimizer:
+            errors.append(f"{flag} > 1 needs --use-distributed-optimizer (the ZeRO optimizer shards the experts over "
+                          "their expert-data-parallel group)")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         errors.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's "
                       "rule: each TP rank routes its own slice of the sequence)")
