@@ -101,6 +101,10 @@ OPTIONS = {
     "capacity-position": dict(moe_expert_capacity_factor=0.6, moe_token_drop_policy="position"),
     "capacity-padded-shared": dict(moe_expert_capacity_factor=0.8, moe_pad_expert_input_to_capacity=True,
                                    moe_shared_expert_intermediate_size=8),
+    # --moe-grouped-gemm: the experts as two grouped GEMMs (torch._grouped_mm, fp32 on CPU) instead of the loop
+    "grouped-gemm": dict(moe_grouped_gemm=True),
+    "grouped-gemm-capacity-padded": dict(moe_grouped_gemm=True, moe_expert_capacity_factor=0.8,
+                                         moe_pad_expert_input_to_capacity=True),
 }
 
 
@@ -126,6 +130,7 @@ def test_moe_block_matches_a_per_token_fp64_loop(options):
             expected = torch.zeros_like(actual, dtype=torch.float64)
         assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), what
 
+    assert layer._runs_grouped(x.detach()) == options.get("moe_grouped_gemm", False)  # not the loop in disguise
     close(out.detach().reshape(-1, HIDDEN), want.detach(), "output")
     close(layer.stats["aux_metric"], balance.detach(), "balancing loss")
     close(layer.stats["z_metric"], z.detach(), "z loss")
@@ -146,8 +151,9 @@ def test_dispatch_keeps_token_order_within_each_expert():
     assert order.tolist() == [1, 2, 6, 3, 5, 0, 4, 7]  # expert 0: tokens 0, 1, 3; expert 1: 1, 2; expert 2: 0, 2, 3
 
 
-def test_an_expert_without_tokens_still_gets_a_zero_gradient():
-    layer = _layer(moe_router_topk=1)
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped-gemm"])
+def test_an_expert_without_tokens_still_gets_a_zero_gradient(grouped):
+    layer = _layer(moe_router_topk=1, moe_grouped_gemm=grouped)
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[3] = 1.0  # every token picks expert 3 (for positive inputs)

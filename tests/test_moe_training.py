@@ -78,6 +78,8 @@ LAYOUTS = {
     "ep4-tp2-sp-dp2-allgather": (4, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
                                      "--sequence-parallel", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
     "ep2-dp2-allgather": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
+    # --moe-grouped-gemm: each rank's experts as grouped GEMMs on the rows the all-to-all brought
+    "ep2-dp2-grouped-gemm": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-grouped-gemm"]),
     # expert tensor parallelism: each expert split over the TP ranks (ETP x EP x DP below: test_expert_tensor_...)
     "etp2-tp2-sp-dp2": (4, ["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "2",
                             "--sequence-parallel", *ZERO]),

@@ -107,6 +107,7 @@ class ModelConfig:
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "alltoall"  # under expert parallelism (megafp8.parallel.expert_dispatch)
+    moe_grouped_gemm: bool = False  # high-precision experts as one grouped GEMM per linear (megafp8.model.grouped_gemm)
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:

@@ -41,8 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megafp8.fp8 import swiglu
 from megafp8.fp8.autocast import resolve_recipe
 from megafp8.model.config import ModelConfig
+from megafp8.model.grouped_gemm import grouped_gemm_supported, grouped_linear
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
 from megafp8.parallel import collectives as C
@@ -65,6 +67,7 @@ class MoELayer(nn.Module):
         self.drop_policy = config.moe_token_drop_policy
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.dispatcher = config.moe_token_dispatcher_type
+        self.grouped_gemm, self.activation = config.moe_grouped_gemm, config.activation
         self.router = TopKRouter(config, parallel_state)
         # Under expert parallelism this rank holds experts [r E/EP, (r+1) E/EP), named by their global index. With
         # ETP = 1 each is whole: its linears are built on a one-rank layout (no split, no collective). With ETP > 1
@@ -158,13 +161,13 @@ class MoELayer(nn.Module):
         K is the token count: cuBLAS FP8 GEMMs need it divisible by 16, NVFP4's Hadamard transform runs in blocks of
         16; Megatron pads the same), and to at least one row, so every expert's weights get their (zero) gradient
         every step. Zero rows change no output, and add exact zeros to the weight gradients."""
+        if self._runs_grouped(rows):
+            return self._run_experts_grouped(rows, row_experts, counts, capacity)
         align = 16 if self._experts_run_low_precision() else 1
         slots = None
         if self.pad_to_capacity and capacity is not None:  # under EP the exchange read the counts anyway
             size = _round_up(capacity, align)
-            within = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_experts]
-            slots = row_experts * size + within
-            rows = rows.new_zeros(self.num_experts * size, rows.shape[-1]).index_copy_(0, slots, rows)
+            rows, slots = self._capacity_grid(rows, row_experts, counts, size)
             sizes = [size] * self.num_experts
         else:
             sizes = counts.tolist()
@@ -178,6 +181,38 @@ class MoELayer(nn.Module):
             run = chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])])
             outputs.append(expert(run.unsqueeze(1), fuse_activation=True).squeeze(1)[:n])
         outputs = torch.cat(outputs)
+        return outputs if slots is None else outputs[slots]
+
+    def _runs_grouped(self, rows: torch.Tensor) -> bool:
+        """--moe-grouped-gemm applies: every local expert's linears run in high precision now, whole (ETP 1), with a
+        gated activation, on rows torch._grouped_mm takes (megafp8.model.grouped_gemm); else the loop, its twin."""
+        if not (self.grouped_gemm and self.etp.size == 1 and self.activation != "xielu"
+                and grouped_gemm_supported(rows.dtype, rows.device)):
+            return False
+        linears = [m for e in self.experts.local_experts.values() for m in (e.linear_fc1, e.linear_fc2)]
+        return all(resolve_recipe(m.recipe, m.runs_high_precision) is None for m in linears)
+
+    def _capacity_grid(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
+                       size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows placed in an ``[E x size, h]`` grid of zeros, expert e's from row ``e x size`` on, and each row's
+        slot in it (EP = 1: ``row_experts`` are the global experts)."""
+        within = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_experts]
+        slots = row_experts * size + within
+        return rows.new_zeros(self.num_experts * size, rows.shape[-1]).index_copy_(0, slots, rows), slots
+
+    def _run_experts_grouped(self, rows: torch.Tensor, row_experts: torch.Tensor | None, counts: torch.Tensor,
+                             capacity: int | None) -> torch.Tensor:
+        """Every expert's SwiGLU MLP on its rows as two grouped GEMMs; the row counts stay on the device (padded to
+        capacity, the rows sit in the loop's grid)."""
+        experts = list(self.experts.local_experts.values())
+        slots = None
+        if self.pad_to_capacity and capacity is not None:
+            rows, slots = self._capacity_grid(rows, row_experts, counts, capacity)
+            counts = torch.full_like(counts, capacity)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = grouped_linear(rows, [e.linear_fc1.weight for e in experts], offsets)
+        # Smooth-SwiGLU's channel scales cancel exactly in high precision: plain SwiGLU is the same function.
+        outputs = grouped_linear(swiglu(*gate_up.chunk(2, dim=-1)), [e.linear_fc2.weight for e in experts], offsets)
         return outputs if slots is None else outputs[slots]
 
     def _most_rows_over_etp(self, sizes: list[int]) -> list[int]:

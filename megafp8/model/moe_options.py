@@ -99,4 +99,5 @@ MOE_FLAG_DEFAULTS: dict[str, Any] = {
     "moe_token_drop_policy": "probs",
     "moe_pad_expert_input_to_capacity": False,
     "moe_token_dispatcher_type": "alltoall",  # Megatron-LM's default is allgather (the same math: see DEFAULTS_THAT_DIFFER)
+    "moe_grouped_gemm": False,
 }

@@ -60,6 +60,10 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                    help="how tokens reach their experts' ranks under EP: alltoall (each choice's row to its expert's "
                         "rank and back) or allgather (every rank gathers every token and reduce-scatters the sums: "
                         "fixed-size collectives, for small EP); Megatron's flex dispatcher is not built")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="the local experts' linears as one grouped GEMM each (torch._grouped_mm: fp32/bf16 on CPU, "
+                        "bf16 on Hopper/Blackwell; no host read of the loads without EP) where the experts run in high "
+                        "precision at ETP 1 with a gated activation; FP8/FP4 experts run the loop of FP8 GEMMs")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad every expert's input to its capacity: static shapes, no host read of the loads")
 

@@ -1,0 +1,51 @@
+"""The local experts' linears as one grouped GEMM each (``--moe-grouped-gemm``, Megatron's flag): ``torch._grouped_mm``
+over the rows of every expert at once, where the experts run in high precision.
+
+Rows arrive sorted by expert (megafp8.model.moe.dispatch_order); ``offsets`` are the cumulative row counts, on the
+device: no expert's count is read on the host. The weights are the experts' own parameters, stacked for the GEMM
+(one copy of the expert weights per forward; their gradients flow back to each parameter through the stack).
+
+``GroupedLinear``'s backward is written out rather than left to autograd: dgrad is a grouped GEMM of the output
+gradient with the same weights, wgrad a grouped GEMM whose groups run along the rows (``dYᵀ X`` per expert, the
+"2-D x 2-D" form), so it runs wherever the forward does (autograd's own formula for ``_grouped_mm`` fails on CPU
+in fp32). The twin is the loop of linears in megafp8.model.moe; an FP8 or FP4 expert always runs that loop (each
+GEMM through the recipe's quantizers): a grouped FP8 GEMM is not built.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def grouped_gemm_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs these rows: fp32/bf16 on CPU, bf16 on a CUDA GPU of compute capability 9.0+
+    (its kernels are Hopper's and Blackwell's)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``rows [M, in]`` sorted by expert, ``weights [E, out, in]``, ``offsets [E]`` (int32, cumulative counts) ->
+    ``[M, out]``: expert e's rows times its weight transposed."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, weights, offsets)
+        return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        rows, weights, offsets = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        grad_rows = torch._grouped_mm(grad_output, weights, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_weights = None
+        if ctx.needs_input_grad[1]:  # per expert dYᵀ X over its rows; an expert without rows gets zeros
+            grad_weights = torch._grouped_mm(grad_output.t(), rows, offs=offsets)
+        return grad_rows, grad_weights, None
+
+
+def grouped_linear(rows: torch.Tensor, weights: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
+    """The experts' linears (one weight ``[out, in]`` each) on their rows, as one grouped GEMM."""
+    return GroupedLinear.apply(rows, torch.stack(weights), offsets)
