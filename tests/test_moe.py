@@ -253,3 +253,30 @@ def test_experts_in_fp8_and_fp4_stay_within_their_sqnr_floors_of_high_precision(
     assert any(n % 16 for n in layer.stats["tokens_per_expert"].tolist())  # ragged loads were padded
     (ref_out, ref_dx, ref_dw), (out, dx, dw) = runs
     assert sqnr_db(out, ref_out) >= out_db and sqnr_db(dx, ref_dx) >= dx_db and sqnr_db(dw, ref_dw) >= dw_db
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_in_bf16_on_cuda_equals_the_loop_of_linears():
+    """--moe-grouped-gemm on a GPU: torch._grouped_mm's bf16 kernels (Hopper/Blackwell) with row counts that are not
+    multiples of 16 and an expert without rows, forward and both gradients against the loop in fp32."""
+    from megafp8.model.grouped_gemm import grouped_gemm_supported, grouped_linear
+
+    device = torch.device("cuda")
+    if not grouped_gemm_supported(torch.bfloat16, device):
+        pytest.skip("torch._grouped_mm needs a GPU of compute capability 9.0+")
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 37, 16])
+    rows = torch.randn(int(counts.sum()), 256, generator=generator).to(device, torch.bfloat16).requires_grad_()
+    weights = [torch.randn(512, 256, generator=generator).div(16).to(device, torch.bfloat16).requires_grad_()
+               for _ in counts]
+    out = grouped_linear(rows, weights, torch.cumsum(counts, 0).to(device, torch.int32))
+    probe = torch.randn(out.shape, generator=generator).to(device)
+    (out.float() * probe).sum().backward()
+    rows32 = rows.detach().float().requires_grad_()
+    weights32 = [w.detach().float().requires_grad_() for w in weights]
+    want = torch.cat([chunk @ w.t() for chunk, w in zip(rows32.split(counts.tolist()), weights32)])
+    (want * probe).sum().backward()
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(rows.grad.float(), rows32.grad, rtol=2e-2, atol=2e-2)
+    for w, w32 in zip(weights, weights32):
+        torch.testing.assert_close(w.grad.float(), w32.grad, rtol=2e-2, atol=5e-2)
