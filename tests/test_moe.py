@@ -203,6 +203,8 @@ def test_expert_bias_moves_each_expert_towards_the_mean_load():
       "--expert-tensor-parallel-size > 1 needs --use-distributed-optimizer",
       "--expert-tensor-parallel-size (2) x --expert-model-parallel-size (4) = 8 does not divide the ranks of a "
       "pipeline stage (TP x CP x DP = 4)"]),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--activation", "xielu"],
+     ["--expert-tensor-parallel-size > 1 with --activation xielu: not built"]),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--fp4-format", "e2m1", "--fp4-until-grad-noise"],
      ["--fp4-until-grad-noise with --expert-model-parallel-size > 1"]),
 ])

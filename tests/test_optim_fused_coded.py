@@ -112,6 +112,19 @@ def test_reproducible_log2_exp2():
     assert float(((exp.cpu() - exact_exp).abs() / exact_exp).max()) < 2e-11
 
 
+def test_reproducible_sqrt_is_ieees_correctly_rounded_root():
+    """The grad norm's square root: math.sqrt's (IEEE, correctly rounded) bits over 30 decades and the grad norm that
+    differed between machines, where torch's CPU sqrt may be one last bit off; 0, inf and NaN pass through."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.exp2(torch.rand(1 << 16, generator=g, dtype=torch.float64) * 200 - 100)
+    x[:2] = torch.tensor([float.fromhex("0x1.033833bfa9f64p+3"), 2.0], dtype=torch.float64)
+    want = torch.tensor([math.sqrt(v) for v in x.tolist()], dtype=torch.float64)
+    assert torch.equal(bits(reproducible_math.sqrt(x)), bits(want))
+    assert reproducible_math.sqrt(x[0]).item().hex() == "0x1.6c4ee0c57b289p+1"
+    special = reproducible_math.sqrt(torch.tensor([0.0, math.inf, math.nan], dtype=torch.float64))
+    assert special[0] == 0 and special[1] == math.inf and math.isnan(special[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp16_master_publication_equals_the_slab_decode(dtype):
     """The fp16 master's publication kernel writes what the slab path's decode (codes / scale) and copy_ write, in

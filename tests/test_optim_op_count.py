@@ -16,9 +16,11 @@ from megafp8.parallel.parallel_state import ParallelState
 
 # aten ops per step, a 2-layer model at any width (issue 19: 400). The compressed preset's FP8 moments cost ~190 ops
 # more per slab since their powers are written out in fp64 basic operations (megafp8.optim.reproducible_math: the
-# fused kernel must store the same bits), ~30 per log2 or exp2 and three per moment and step.
-BUDGET = {"fp32": 400, "compressed": 600}
-FP8_BUDGET = {"fp32": 500, "compressed": 700}  # with --fp8-param-gather (the FP8 publication)
+# fused kernel must store the same bits), ~30 per log2 or exp2 and three per moment and step. The grad norm's and the
+# bias correction's square roots are correctly rounded (reproducible_math.sqrt: 13 ops each, the same bits on every
+# CPU), 26 ops in all.
+BUDGET = {"fp32": 400, "compressed": 640}
+FP8_BUDGET = {"fp32": 500, "compressed": 740}  # with --fp8-param-gather (the FP8 publication)
 PRESET_NAMES = {("fp32", "fp32"): "fp32", ("fp16", "fp8"): "compressed"}
 VIEW_OPS = {"aten::slice", "aten::view", "aten::detach"}
 

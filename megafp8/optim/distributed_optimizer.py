@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import invalidate_fp8_weight_caches
-from megafp8.optim import fused_adamw, fused_adamw_coded
+from megafp8.optim import fused_adamw, fused_adamw_coded, reproducible_math
 from megafp8.optim.amax_groups import Members, all_reduce_max, amax_group, members_by_group
 from megafp8.optim.fp8_publication import Fp8Publication, publication_key
 from megafp8.optim.loss_scaler import LossScaler
@@ -311,7 +311,7 @@ class DistributedOptimizer:
         no host sync). Until ``apply`` the step can still be dropped and re-run (megafp8.training.step_state)."""
         self.ddp.finish_grad_sync()
         self.ddp.finish_param_sync()  # no gather may still be writing into the parameters
-        norm = self.grad_norm_squared().sqrt()
+        norm = reproducible_math.sqrt(self.grad_norm_squared())  # the same bits on every machine
         unscale = self.loss_scaler.inverse() if self.loss_scaler is not None else None
         if unscale is not None:  # --fp16: the norm, the clip and the update see the unscaled gradient
             norm = norm * unscale.double()
@@ -335,7 +335,7 @@ class DistributedOptimizer:
         beta1, beta2 = self.betas
         powers = torch.pow(self._betas, step.double())
         bias_correction1 = 1 - powers[0]
-        bias_correction2_sqrt = torch.sqrt(1 - powers[1]).float()
+        bias_correction2_sqrt = reproducible_math.sqrt(1 - powers[1]).float()
         step_size = (torch.full_like(bias_correction1, -lr) / bias_correction1).float()
         decay_factor = 1 - lr * self.weight_decay
         # Two LRs: per-group constants for the slabs, per-launch ones for the fused step; each the one-LR

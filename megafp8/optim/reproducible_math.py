@@ -1,4 +1,5 @@
-"""log2 and exp2 in fp64 from IEEE-rounded +, -, x, / and exact bit operations: the same bits in torch and in Triton.
+"""log2 and exp2 in fp64 from IEEE-rounded +, -, x, / and exact bit operations: the same bits in torch and in Triton;
+and a correctly rounded fp64 square root on torch's CPU build (``sqrt``).
 
 Why: the FP8 moment codec (megafp8.optim.state_codec) raises values to non-integer powers. Library ``log`` and ``pow``
 differ in the last bit between torch's CPU build (SLEEF), numpy (what Triton's interpreter runs) and CUDA's libdevice,
@@ -67,6 +68,24 @@ def exp2_(t: torch.Tensor) -> torch.Tensor:
     for c in reversed(EXP2_COEFFS[:-2]):
         q.mul_(f).add_(c)
     return q.mul_(n.long().add_(1023).bitwise_left_shift_(52).view(torch.float64))
+
+
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of fp64 values (IEEE's, which math.sqrt and CUDA give; 0, inf, NaN pass).
+
+    torch's CPU ``sqrt`` is off by one last bit on some machines (SLEEF picks its code by CPU, whatever
+    ATEN_CPU_CAPABILITY says): the global grad norm then differed between machines. One Newton step on its result with
+    the residual ``x - y^2`` computed exactly (Dekker's split: ``y^2 = p + e`` exactly) lands on the correctly rounded
+    root: a square root is never a midpoint between two doubles, and the step's own error (~2^-106 relative) is far
+    below any root's distance from one but in cases too rare to meet."""
+    y = x.sqrt()
+    c = y * 134217729.0  # 2^27 + 1: y = hi + lo, each half of the significand
+    hi = c - (c - y)
+    lo = y - hi
+    p = y * y
+    e = ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
+    corrected = y + ((x - p) - e) / (2.0 * y)  # x - p is exact (Sterbenz: p is within a factor 2 of x)
+    return torch.where((y > 0) & torch.isfinite(y), corrected, y)  # 0, inf and NaN as they are
 
 
 if triton is not None:

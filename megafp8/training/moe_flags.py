@@ -92,6 +92,9 @@ def moe_flag_errors(args: argparse.Namespace) -> list[str]:
     expert_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     if etp > 1 and expert_ffn is not None and expert_ffn % etp:
         errors.append(f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by --expert-tensor-parallel-size ({etp})")
+    if etp > 1 and getattr(args, "activation", None) == "xielu":
+        errors.append("--expert-tensor-parallel-size > 1 with --activation xielu: not built (xIELU's parameters would "
+                      "be copies on the ETP ranks whose gradients need a sum over them)")
     for flag, size in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         if size > 1 and not args.use_distributed_optimizer:
             errors.append(f"{flag} > 1 needs --use-distributed-optimizer (the ZeRO optimizer shards the experts over "
