@@ -75,13 +75,13 @@ def test_compiled_single_process_fp8_run_matches_eager_and_resumes_bit_exact(dat
     recompilation; the first step runs eager (cold delayed states), so iteration 1 is bit-identical."""
     run = [*MODEL, *FP8_ZERO, *DELAYED, "--train-iters", "6", "--data-path", data_prefix]
     _pretrain(1, *run, "--log-dir", str(tmp_path / "eager"))
-    out = _pretrain(1, *run, "--compile", "--log-dir", str(tmp_path / "compiled"))
+    save = str(tmp_path / "checkpoints")
+    out = _pretrain(1, *run, "--compile", "--save", save, "--save-interval", "3", "--log-dir", str(tmp_path / "compiled"))
     assert _compile_counts(out) == (1, 0)
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     _assert_within_fp8_bounds(compiled, eager)
     assert compiled[1] == eager[1]
-    save = str(tmp_path / "checkpoints")
-    _pretrain(1, *run, "--compile", "--save", save, "--exit-interval", "3")
+    (Path(save) / "latest_checkpointed_iteration.txt").write_text("3")  # resume from iteration 3 (Megatron's way)
     _pretrain(1, *run, "--compile", "--load", save, "--log-dir", str(tmp_path / "resumed"))
     assert _losses(tmp_path / "resumed") == {i: compiled[i] for i in (4, 5, 6)}  # bit-identical floats
 

@@ -339,7 +339,8 @@ def test_tp2_cp2_training_with_fp8_attention_tracks_high_precision_attention_and
     prefix = str(tmp_path / "synthetic_text_document")
     write_synthetic_dataset(prefix, [50] * 200, vocab_size=500)
     plain = _train(prefix, tmp_path / "plain")
-    fp8 = _train(prefix, tmp_path / "fp8", "--fp8-dot-product-attention")
+    save = str(tmp_path / "ckpt")
+    fp8 = _train(prefix, tmp_path / "fp8", "--fp8-dot-product-attention", "--save", save, "--save-interval", "2")
     assert [r["iteration"] for r in fp8] == [r["iteration"] for r in plain] == [1, 2, 3, 4]
     for a, b in zip(fp8, plain):
         assert math.isfinite(a["lm_loss"]) and abs(a["lm_loss"] - b["lm_loss"]) <= 0.01 * b["lm_loss"], (a, b)
@@ -352,8 +353,7 @@ def test_tp2_cp2_training_with_fp8_attention_tracks_high_precision_attention_and
     assert [r["comm_bytes"]["cp_kv_p2p"] for r in plain] == [calls * (2 * kv * 4 + 2 * kv * 4)] * 4
     assert [r["comm_bytes"]["cp_kv_p2p"] for r in fp8] == [calls * (2 * (kv + 8) + 2 * kv * 4)] * 4
     # The attention's delayed-scaling states are checkpointed with the linears': a resume is bit-exact.
-    save = str(tmp_path / "ckpt")
-    _train(prefix, tmp_path / "first", "--fp8-dot-product-attention", "--save", save, "--exit-interval", "2")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")  # back to iteration 2 (Megatron's way)
     resumed = _train(prefix, tmp_path / "resumed", "--fp8-dot-product-attention", "--load", save)
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in fp8[2:]]
 

@@ -86,15 +86,16 @@ def test_3d_run_tracks_fp32_resumes_bit_exact_and_reshards(recipe, data_prefix, 
     assert ("FP4 e2m1 " + recipe if recipe != "mxfp8" else "MXFP8 e4m3") in out
     straight = _losses(tmp_path / "straight")
     _assert_tracks(straight, fp32_3d, LOSS_RTOL[recipe])
+    ckpt = str(tmp_path / "ckpt")
     if recipe == "nvfp4":
         # The ZeRO gather of packed NVFP4 bytes: the weights the layers get are the bytes they would quantize from
         # the fp32 weight themselves, so the run is the same bit for bit, and the resume below runs with it too.
         run.append("--fp4-param-gather")
-        _run(8, *run, *LAYOUT_3D, "--log-dir", str(tmp_path / "gathered"))
+        _run(8, *run, *LAYOUT_3D, "--save", ckpt, "--save-interval", "3", "--log-dir", str(tmp_path / "gathered"))
         assert _losses(tmp_path / "gathered") == straight
-
-    ckpt = str(tmp_path / "ckpt")
-    _run(8, *run, *LAYOUT_3D, "--exit-interval", "3", "--save", ckpt, "--log-dir", str(tmp_path / "first"))
+        (Path(ckpt) / "latest_checkpointed_iteration.txt").write_text("3")  # resume from iteration 3 (Megatron's way)
+    else:
+        _run(8, *run, *LAYOUT_3D, "--exit-interval", "3", "--save", ckpt, "--log-dir", str(tmp_path / "first"))
     _run(8, *run, *LAYOUT_3D, "--load", ckpt, "--log-dir", str(tmp_path / "resumed"))
     resumed = _losses(tmp_path / "resumed")
     assert resumed == {it: straight[it] for it in (4, 5, 6)}  # bit for bit, stochastic rounding included
