@@ -171,7 +171,7 @@ def test_qwen3_moe_decoder_sparse_step_through_the_converter(tmp_path):
 
 # ---- TP=2 with sequence parallelism x PP=2 (x EP=2 or ETP=2) -------------------------------------------------------
 
-LAYOUTS = {"ep1": {}, "ep2": dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+LAYOUTS = {"ep1": dict(expert_tensor_parallel_size=1), "ep2": dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "etp2": dict(expert_tensor_parallel_size=2)}  # each expert split over the two TP ranks
 
 

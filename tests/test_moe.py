@@ -203,10 +203,15 @@ def test_expert_bias_moves_each_expert_towards_the_mean_load():
       "--expert-tensor-parallel-size > 1 needs --use-distributed-optimizer",
       "--expert-tensor-parallel-size (2) x --expert-model-parallel-size (4) = 8 does not divide the ranks of a "
       "pipeline stage (TP x CP x DP = 4)"]),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--activation", "xielu"],
-     ["--expert-tensor-parallel-size > 1 with --activation xielu: not built"]),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--activation", "xielu", "--moe-grouped-gemm"],
+     ["--expert-tensor-parallel-size > 1 with --activation xielu: not built",
+      "--moe-grouped-gemm with --expert-tensor-parallel-size > 1 or --activation xielu: not built"]),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--fp4-format", "e2m1", "--fp4-until-grad-noise",
+      "--fp4-switch-gemms", "fprop"],
+     ["--fp4-until-grad-noise with --expert-model-parallel-size or --expert-tensor-parallel-size > 1",
+      "--fp4-switch-gemms fprop with --expert-tensor-parallel-size > 1"]),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--fp4-format", "e2m1", "--fp4-until-grad-noise"],
-     ["--fp4-until-grad-noise with --expert-model-parallel-size > 1"]),
+     ["--fp4-until-grad-noise with --expert-model-parallel-size or --expert-tensor-parallel-size > 1"]),
 ])
 def test_moe_flag_problems_are_reported_together_one_line_each(flags, messages):
     _, errors, _ = parse_and_check(["--num-layers", "2", *flags], world_size=4)
@@ -259,13 +264,13 @@ def test_experts_in_fp8_and_fp4_stay_within_their_sqnr_floors_of_high_precision(
 
 @pytest.mark.gpu
 def test_grouped_gemm_in_bf16_on_cuda_equals_the_loop_of_linears():
-    """--moe-grouped-gemm on a GPU: torch._grouped_mm's bf16 kernels (Hopper/Blackwell) with row counts that are not
+    """--moe-grouped-gemm on a GPU: torch._grouped_mm's bf16 kernels (Hopper) with row counts that are not
     multiples of 16 and an expert without rows, forward and both gradients against the loop in fp32."""
     from megafp8.model.grouped_gemm import grouped_gemm_supported, grouped_linear
 
     device = torch.device("cuda")
     if not grouped_gemm_supported(torch.bfloat16, device):
-        pytest.skip("torch._grouped_mm needs a GPU of compute capability 9.0+")
+        pytest.skip("--moe-grouped-gemm runs torch._grouped_mm on Hopper only (compute capability 9.x)")
     generator = torch.Generator().manual_seed(3)
     counts = torch.tensor([5, 0, 37, 16])
     rows = torch.randn(int(counts.sum()), 256, generator=generator).to(device, torch.bfloat16).requires_grad_()

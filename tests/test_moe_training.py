@@ -79,7 +79,8 @@ LAYOUTS = {
                                      "--sequence-parallel", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
     "ep2-dp2-allgather": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-token-dispatcher-type", "allgather"]),
     # --moe-grouped-gemm: each rank's experts as grouped GEMMs on the rows the all-to-all brought
-    "ep2-dp2-grouped-gemm": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-grouped-gemm"]),
+    "ep2-dp2-grouped-gemm": (2, ["--expert-model-parallel-size", "2", *ZERO, "--moe-grouped-gemm",
+                                 "--overlap-grad-reduce", "--overlap-param-gather"]),  # (the on-demand gather too)
     # expert tensor parallelism: each expert split over the TP ranks (ETP x EP x DP below: test_expert_tensor_...)
     "etp2-tp2-sp-dp2": (4, ["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "2",
                             "--sequence-parallel", *ZERO]),
@@ -248,7 +249,9 @@ def test_expert_tensor_parallelism_built_from_scratch_reproduces_the_single_proc
 @pytest.mark.distributed
 @pytest.mark.slow  # CI time: an ETP expert's FP8 linears are the dense layers' sequence-parallel FP8 path (default)
 @pytest.mark.parametrize("recipe", [["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-power-of-2-scale"],
-                                    ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]], ids=["blockwise", "delayed"])
+                                    ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+                                    ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]],  # rows padded to 32 under ETP
+                         ids=["blockwise", "delayed", "mxfp8"])
 def test_fp8_experts_split_over_etp2_track_the_one_process_fp8_run(single_process, recipe):
     """ETP2 x EP2 in FP8: each expert's rows gathered as FP8 bytes over ETP, its shards' scales those of the whole
     weight; the losses follow the one-process run of the same recipe (the gathered rows group other tokens into

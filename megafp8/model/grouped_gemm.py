@@ -17,13 +17,13 @@ import torch
 
 
 def grouped_gemm_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``torch._grouped_mm`` runs these rows: fp32/bf16 on CPU, bf16 on a CUDA GPU of compute capability 9.0+
-    (its kernels are Hopper's and Blackwell's)."""
+    """Whether ``torch._grouped_mm`` runs these rows: fp32/bf16 on CPU, bf16 on a Hopper GPU (compute capability 9.x;
+    on Blackwell an expert without rows gets a non-zero wgrad: pytorch#172439, so the loop runs there)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
-    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] == 9
 
 
 class GroupedLinear(torch.autograd.Function):

@@ -38,7 +38,6 @@ import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megafp8.fp8 import swiglu
@@ -130,7 +129,7 @@ class MoELayer(nn.Module):
                 outputs = self._run_experts(rows, top_experts.reshape(-1)[order], counts, capacity)
             else:  # to the experts' ranks and back (megafp8.parallel.expert_dispatch)
                 exchange = ExpertExchange(counts, self.ep)
-                local = exchange.dispatch(rows, fp8=self._experts_run_low_precision(planned=True))
+                local = exchange.dispatch(rows, fp8=self._experts_planned_low_precision())
                 outputs = exchange.combine(self._run_experts(local, None, exchange.local_counts, None))
             weighted = outputs.float() * top_probs.reshape(-1)[order].unsqueeze(-1)
             combined = weighted.new_zeros(tokens.shape[0] * self.topk, hidden).index_copy_(0, order, weighted)
@@ -148,7 +147,7 @@ class MoELayer(nn.Module):
         exchange = AllGatherExchange(self.ep, self.first_expert, len(self.experts.local_experts))
         kept = torch.zeros(top_experts.numel(), dtype=torch.bool, device=tokens.device).index_fill_(0, order, True)
         rows, counts = exchange.gather(tokens, top_experts, top_probs, kept,
-                                       fp8=self._experts_run_low_precision(planned=True))
+                                       fp8=self._experts_planned_low_precision())
         return exchange.combine(self._run_experts(rows, None, counts, None), tokens.dtype)
 
     def _run_experts(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
@@ -157,36 +156,46 @@ class MoELayer(nn.Module):
         layer and micro-batch, as Megatron's dropless dispatch. Padded to capacity (--moe-pad-expert-input-to-capacity)
         the rows are placed in an ``[E x capacity, h]`` grid on the device instead: static sizes, nothing read.
 
-        Zero rows pad each expert's input: to a multiple of 16 while the experts run in FP8 or FP4 (the wgrad GEMM's
-        K is the token count: cuBLAS FP8 GEMMs need it divisible by 16, NVFP4's Hadamard transform runs in blocks of
-        16; Megatron pads the same), and to at least one row, so every expert's weights get their (zero) gradient
-        every step. Zero rows change no output, and add exact zeros to the weight gradients."""
+        Zero rows pad each expert's input (``_row_alignment``): to a multiple of 16 while the expert runs in FP8 or
+        FP4 (the wgrad GEMM's K is the token count: cuBLAS FP8 GEMMs need it divisible by 16, NVFP4's Hadamard
+        transform runs in blocks of 16; Megatron pads the same), and to at least one row, so every expert's weights
+        get their (zero) gradient every step. Zero rows change no output, and add exact zeros to the weight
+        gradients."""
+        experts = list(self.experts.local_experts.values())
         if self._runs_grouped(rows):
             return self._run_experts_grouped(rows, row_experts, counts, capacity)
-        align = 16 if self._experts_run_low_precision() else 1
         slots = None
         if self.pad_to_capacity and capacity is not None:  # under EP the exchange read the counts anyway
-            size = _round_up(capacity, align)
+            size = _round_up(capacity, max(map(self._row_alignment, experts)))
             rows, slots = self._capacity_grid(rows, row_experts, counts, size)
-            sizes = [size] * self.num_experts
+            sizes = run_sizes = [size] * self.num_experts  # the same on every ETP rank: nothing to agree
         else:
             sizes = counts.tolist()
-        # Under ETP an expert's linears gather its rows from every ETP rank and reduce-scatter their outputs back, in
-        # equal pieces: each rank pads its rows of an expert to the most any ETP rank has of it.
-        run_sizes = self._most_rows_over_etp(sizes) if self.etp.size > 1 else sizes
+            # Under ETP an expert's linears gather its rows from every ETP rank and reduce-scatter their outputs back,
+            # in equal pieces: each rank pads its rows of an expert to the most any ETP rank has of it.
+            run_sizes = self._most_rows_over_etp(sizes) if self.etp.size > 1 else sizes
         outputs = []
-        for expert, chunk, most in zip(self.experts.local_experts.values(), rows.split(sizes), run_sizes):
+        for expert, chunk, most in zip(experts, rows.split(sizes), run_sizes):
             n = chunk.shape[0]
-            padded = _round_up(max(most, 1), align)
+            padded = _round_up(max(most, 1), self._row_alignment(expert))
             run = chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])])
             outputs.append(expert(run.unsqueeze(1), fuse_activation=True).squeeze(1)[:n])
         outputs = torch.cat(outputs)
         return outputs if slots is None else outputs[slots]
 
+    def _row_alignment(self, expert: MLP) -> int:
+        """An expert's rows are padded to a multiple of this: 1 in high precision; 16 when one of its linears runs 8
+        or 4 bits (the guard may switch one linear alone: each expert's own state, agreed by its holders), 32 under
+        ETP (the MX recipes' sequence-split transpose groups 32 rows)."""
+        if all(resolve_recipe(m.recipe, m.runs_high_precision) is None for m in (expert.linear_fc1, expert.linear_fc2)):
+            return 1
+        return 32 if self.etp.size > 1 else 16
+
     def _runs_grouped(self, rows: torch.Tensor) -> bool:
         """--moe-grouped-gemm applies: every local expert's linears run in high precision now, whole (ETP 1), with a
-        gated activation, on rows torch._grouped_mm takes (megafp8.model.grouped_gemm); else the loop, its twin."""
-        if not (self.grouped_gemm and self.etp.size == 1 and self.activation != "xielu"
+        gated activation, on rows torch._grouped_mm takes (megafp8.model.grouped_gemm); else the loop, its twin. No
+        rows at all also take the loop (a grouped wgrad over zero rows is refused on GPUs)."""
+        if not (self.grouped_gemm and self.etp.size == 1 and self.activation != "xielu" and rows.shape[0] > 0
                 and grouped_gemm_supported(rows.dtype, rows.device)):
             return False
         linears = [m for e in self.experts.local_experts.values() for m in (e.linear_fc1, e.linear_fc2)]
@@ -210,6 +219,8 @@ class MoELayer(nn.Module):
             rows, slots = self._capacity_grid(rows, row_experts, counts, capacity)
             counts = torch.full_like(counts, capacity)
         offsets = torch.cumsum(counts, 0).to(torch.int32)
+        for linear in (m for e in experts for m in (e.linear_fc1, e.linear_fc2)):
+            _run_forward_pre_hooks(linear)  # its weight is read below without calling it
         gate_up = grouped_linear(rows, [e.linear_fc1.weight for e in experts], offsets)
         # Smooth-SwiGLU's channel scales cancel exactly in high precision: plain SwiGLU is the same function.
         outputs = grouped_linear(swiglu(*gate_up.chunk(2, dim=-1)), [e.linear_fc2.weight for e in experts], offsets)
@@ -218,17 +229,14 @@ class MoELayer(nn.Module):
     def _most_rows_over_etp(self, sizes: list[int]) -> list[int]:
         """Each local expert's largest row count over the ETP ranks (a small all-gather, read on the host)."""
         mine = torch.tensor(sizes, dtype=torch.int64, device=self.router.weight.device)
-        every = torch.empty(self.etp.size * len(sizes), dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine, group=self.etp.group)
-        return every.view(self.etp.size, -1).amax(0).tolist()
+        return C.all_gather(mine, self.etp, "etp_allgather").view(self.etp.size, -1).amax(0).tolist()
 
-    def _experts_run_low_precision(self, planned: bool = False) -> bool:
-        """Whether this rank's experts run an 8- or 4-bit recipe now; ``planned``: by the precision plan alone (the
-        layer recipes and schedules every rank shares, not the guard's local switches), which the FP8 dispatch's
-        sender and receiver must agree on."""
+    def _experts_planned_low_precision(self) -> bool:
+        """Whether this rank's experts run an 8- or 4-bit recipe by the precision plan alone (the layer recipes and
+        schedules every rank shares, not the guard's local switches), which the FP8 dispatch's sender and receiver
+        must agree on."""
         fc1 = next(iter(self.experts.local_experts.values())).linear_fc1
-        high = fc1.force_high_precision if planned else fc1.runs_high_precision
-        return resolve_recipe(fc1.recipe, high) is not None
+        return resolve_recipe(fc1.recipe, fc1.force_high_precision) is not None
 
     def _accumulate(self, losses: dict[str, torch.Tensor]) -> None:
         """Add this forward's router statistics to ``stats`` (a forward recomputed in backward adds nothing)."""
@@ -243,6 +251,16 @@ class MoELayer(nn.Module):
             self.stats[name] += value
         if self.router.enable_expert_bias:
             self.step_tokens_per_expert += losses["tokens_per_expert"]
+
+
+def _run_forward_pre_hooks(module: nn.Module) -> None:
+    """What calling ``module`` runs before its forward: ZeRO's on-demand parameter gather (--overlap-param-gather),
+    the precision follower's weight (megafp8.optim.precision_follower)."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, (), {})
+        else:
+            hook(module, ())
 
 
 def _round_up(n: int, multiple: int) -> int:

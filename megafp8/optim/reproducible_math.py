@@ -71,13 +71,16 @@ def exp2_(t: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root of fp64 values (IEEE's, which math.sqrt and CUDA give; 0, inf, NaN pass).
+    """The correctly rounded square root of fp64 values from 2^-960 up (IEEE's, which math.sqrt and CUDA give; below,
+    where the exact residual's products would underflow, and for 0, inf and NaN: torch's).
 
     torch's CPU ``sqrt`` is off by one last bit on some machines (SLEEF picks its code by CPU, whatever
     ATEN_CPU_CAPABILITY says): the global grad norm then differed between machines. One Newton step on its result with
     the residual ``x - y^2`` computed exactly (Dekker's split: ``y^2 = p + e`` exactly) lands on the correctly rounded
     root: a square root is never a midpoint between two doubles, and the step's own error (~2^-106 relative) is far
     below any root's distance from one but in cases too rare to meet."""
+    if x.dtype != torch.float64:
+        raise TypeError(f"reproducible_math.sqrt takes fp64 values (its exact split is fp64's), got {x.dtype}")
     y = x.sqrt()
     c = y * 134217729.0  # 2^27 + 1: y = hi + lo, each half of the significand
     hi = c - (c - y)
@@ -85,7 +88,7 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     p = y * y
     e = ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
     corrected = y + ((x - p) - e) / (2.0 * y)  # x - p is exact (Sterbenz: p is within a factor 2 of x)
-    return torch.where((y > 0) & torch.isfinite(y), corrected, y)  # 0, inf and NaN as they are
+    return torch.where((x >= 2.0 ** -960) & torch.isfinite(y), corrected, y)
 
 
 if triton is not None:

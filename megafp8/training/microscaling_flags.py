@@ -100,6 +100,9 @@ def microscaling_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
     if scheduled and args.fp4_switch_gemms == "fprop" and args.sequence_parallel:
         errors.append("--fp4-switch-gemms fprop with --sequence-parallel: the high-precision forward would gather x "
                       "in high precision, which is not built (switch all GEMMs, or leave out --sequence-parallel)")
+    if scheduled and args.fp4_switch_gemms == "fprop" and _expert_tensor_parallel(args):
+        errors.append("--fp4-switch-gemms fprop with --expert-tensor-parallel-size > 1: an expert's linears gather "
+                      "their rows as sequence parallelism does, and the high-precision gather is not built")
     if args.fp4 is not None and not args.fp4_no_hadamard:
         tokens = args.micro_batch_size * args.seq_length // max(args.context_parallel_size, 1)
         if tokens % HADAMARD_SIZE:
@@ -115,6 +118,11 @@ def is_scheduled(args: argparse.Namespace) -> bool:
             or args.fp4_until_grad_noise)
 
 
+def _expert_tensor_parallel(args: argparse.Namespace) -> bool:
+    """Experts split over ETP: their linears run the sequence-parallel path (megafp8.model.moe)."""
+    return (getattr(args, "expert_tensor_parallel_size", None) or 1) > 1
+
+
 def _grad_noise_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
     errors = []
     for flag in ("--fp4-grad-noise-interval", "--fp4-grad-noise-threshold"):
@@ -127,9 +135,10 @@ def _grad_noise_errors(args: argparse.Namespace, given: set[str]) -> list[str]:
     if args.sequence_parallel:
         errors.append("--fp4-until-grad-noise with --sequence-parallel: the probe's exact wgrad needs the gathered "
                       "high-precision input, which is not built (leave out --sequence-parallel)")
-    if getattr(args, "expert_model_parallel_size", 1) > 1:
-        errors.append("--fp4-until-grad-noise with --expert-model-parallel-size > 1: the experts' probe buffers would "
-                      "reduce over the expert-data-parallel group, which is not built")
+    if getattr(args, "expert_model_parallel_size", 1) > 1 or _expert_tensor_parallel(args):
+        errors.append("--fp4-until-grad-noise with --expert-model-parallel-size or --expert-tensor-parallel-size > 1: "
+                      "the experts' probe buffers would reduce over the expert-data-parallel group (and gather over "
+                      "ETP as under --sequence-parallel), which is not built")
     if args.fp4_grad_noise_interval is not None and args.fp4_grad_noise_interval < 1:
         errors.append(f"--fp4-grad-noise-interval must be >= 1, got {args.fp4_grad_noise_interval}")
     if not args.fp4_grad_noise_threshold > 0:

@@ -62,7 +62,7 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                         "fixed-size collectives, for small EP); Megatron's flex dispatcher is not built")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="the local experts' linears as one grouped GEMM each (torch._grouped_mm: fp32/bf16 on CPU, "
-                        "bf16 on Hopper/Blackwell; no host read of the loads without EP) where the experts run in high "
+                        "bf16 on Hopper; no host read of the loads without EP) where the experts run in high "
                         "precision at ETP 1 with a gated activation; FP8/FP4 experts run the loop of FP8 GEMMs")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad every expert's input to its capacity: static shapes, no host read of the loads")
@@ -92,6 +92,9 @@ def moe_flag_errors(args: argparse.Namespace) -> list[str]:
     expert_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     if etp > 1 and expert_ffn is not None and expert_ffn % etp:
         errors.append(f"--moe-ffn-hidden-size ({expert_ffn}) must be divisible by --expert-tensor-parallel-size ({etp})")
+    if args.moe_grouped_gemm and (etp > 1 or getattr(args, "activation", None) == "xielu"):
+        errors.append("--moe-grouped-gemm with --expert-tensor-parallel-size > 1 or --activation xielu: not built (the "
+                      "grouped GEMM runs whole experts with a gated activation; leave it out: the loop runs them)")
     if etp > 1 and getattr(args, "activation", None) == "xielu":
         errors.append("--expert-tensor-parallel-size > 1 with --activation xielu: not built (xIELU's parameters would "
                       "be copies on the ETP ranks whose gradients need a sum over them)")
