@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
 
 from megafp8.checkpoint.safe_dcp import check_plain, entry_source, load_plain
-from megafp8.parallel.placement import Placement, placement_of
+from megafp8.parallel.placement import placement_of, shard_coords
 
 # group name -> (this rank's index, size), as ParallelState.group_coordinates() gives them
 GroupCoords = Mapping[str, tuple[int, int]]
@@ -170,18 +170,6 @@ def _flat_range_boxes(shape: Sequence[int], start: int, end: int) -> Iterator[tu
             yield [row, *offsets], [1, *sizes], flat + row * inner
 
 
-def _shard_coords(placement: Placement, tp_rank: int, tp_size: int, group_coords: GroupCoords | None
-                  ) -> tuple[int, int]:
-    """(rank, size) of this rank in the group splitting the parameter."""
-    group = placement.shard_group
-    if group_coords is not None and group in group_coords:
-        return group_coords[group]
-    if group == "tp":
-        return tp_rank, tp_size
-    raise ValueError(f"a parameter split over the {group!r} group needs that group's (rank, size) in group_coords "
-                     "(ParallelState.group_coordinates()); saved whole from one rank, the other pieces would be lost")
-
-
 def _shard_layout(param: torch.Tensor, tp_rank: int, tp_size: int, vocab_size: int | None,
                   group_coords: GroupCoords | None) -> tuple[list[int], int | None, int, int, int | None, int, int]:
     """(global shape, partition dim, local block size, stride, kept extent along the vocab dim, rank, size in the
@@ -189,7 +177,7 @@ def _shard_layout(param: torch.Tensor, tp_rank: int, tp_size: int, vocab_size: i
     shape, placement = list(param.shape), placement_of(param)
     if not placement.sharded:
         return shape, None, 0, 1, None, 0, 1
-    rank, size = _shard_coords(placement, tp_rank, tp_size, group_coords)
+    rank, size = shard_coords(placement, tp_rank, tp_size, group_coords)
     dim, stride = placement.shard_dim, placement.shard_stride
     if shape[dim] % stride:
         raise ValueError(f"a shard of size {shape[dim]} along dim {dim} does not split into {stride} stride blocks")

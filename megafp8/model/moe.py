@@ -161,9 +161,9 @@ class MoELayer(nn.Module):
         transform runs in blocks of 16; Megatron pads the same), and to at least one row, so every expert's weights
         get their (zero) gradient every step. Zero rows change no output, and add exact zeros to the weight
         gradients."""
-        experts = list(self.experts.local_experts.values())
         if self._runs_grouped(rows):
             return self._run_experts_grouped(rows, row_experts, counts, capacity)
+        experts = list(self.experts.local_experts.values())
         slots = None
         if self.pad_to_capacity and capacity is not None:  # under EP the exchange read the counts anyway
             size = _round_up(capacity, max(map(self._row_alignment, experts)))
@@ -187,7 +187,7 @@ class MoELayer(nn.Module):
         """An expert's rows are padded to a multiple of this: 1 in high precision; 16 when one of its linears runs 8
         or 4 bits (the guard may switch one linear alone: each expert's own state, agreed by its holders), 32 under
         ETP (the MX recipes' sequence-split transpose groups 32 rows)."""
-        if all(resolve_recipe(m.recipe, m.runs_high_precision) is None for m in (expert.linear_fc1, expert.linear_fc2)):
+        if not any(map(_runs_low_precision, (expert.linear_fc1, expert.linear_fc2))):
             return 1
         return 32 if self.etp.size > 1 else 16
 
@@ -198,8 +198,8 @@ class MoELayer(nn.Module):
         if not (self.grouped_gemm and self.etp.size == 1 and self.activation != "xielu" and rows.shape[0] > 0
                 and grouped_gemm_supported(rows.dtype, rows.device)):
             return False
-        linears = [m for e in self.experts.local_experts.values() for m in (e.linear_fc1, e.linear_fc2)]
-        return all(resolve_recipe(m.recipe, m.runs_high_precision) is None for m in linears)
+        return not any(_runs_low_precision(m) for e in self.experts.local_experts.values()
+                       for m in (e.linear_fc1, e.linear_fc2))
 
     def _capacity_grid(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
                        size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,6 +251,11 @@ class MoELayer(nn.Module):
             self.stats[name] += value
         if self.router.enable_expert_bias:
             self.step_tokens_per_expert += losses["tokens_per_expert"]
+
+
+def _runs_low_precision(linear: nn.Module) -> bool:
+    """Whether an expert's linear runs an 8- or 4-bit recipe now (the guard may have switched it alone)."""
+    return resolve_recipe(linear.recipe, linear.runs_high_precision) is not None
 
 
 def _run_forward_pre_hooks(module: nn.Module) -> None:

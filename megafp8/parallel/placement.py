@@ -8,7 +8,7 @@ keeps it. The grad-norm counting, the DDP buffer keys and checkpoint sharding al
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,19 @@ class Placement:
         if self.tied_copy:
             return False
         return self.replica_group is None or group_rank(self.replica_group) == 0
+
+
+def shard_coords(placement: Placement, tp_rank: int, tp_size: int,
+                 group_coords: Mapping[str, tuple[int, int]] | None) -> tuple[int, int]:
+    """(rank, size) of this rank in the group splitting a parameter: from ``group_coords``
+    (ParallelState.group_coordinates()) when it has the group, TP's own otherwise (or when nothing splits it)."""
+    group = placement.shard_group
+    if group_coords is not None and group in group_coords:
+        return group_coords[group]
+    if group in (None, "tp"):
+        return tp_rank, tp_size
+    raise ValueError(f"a parameter split over the {group!r} group needs that group's (rank, size) in group_coords "
+                     "(ParallelState.group_coordinates()): without it, one rank's piece would stand for the whole")
 
 
 def derive_placement(param: torch.Tensor) -> Placement:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from megafp8.parallel.placement import placement_of, shard_coords
 from megafp8.parallel.sharding import shard_tensor
 
 InitMethod = Callable[[torch.Tensor, "torch.Generator | None"], object]
@@ -202,7 +203,7 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
         elif init_method is None:
             continue
         generator = parameter_generator(seed, aliases.get(name, name), param.device)
-        rank, size = _shard_coords(param, tp_rank, tp_size, group_coords)
+        rank, size = shard_coords(placement_of(param), tp_rank, tp_size, group_coords)
         initialize_parameter_(param, init_method, rank, size, generator=generator, vocab_size=vocab_size)
         done.append(name)
     if build_device is not None:
@@ -211,18 +212,6 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
             raise ValueError(f"buffers {uninitialized} were allocated with torch.empty under build_on_device and "
                              "have no values: create them with their values (torch.zeros, torch.full, ...)")
     return done
-
-
-def _shard_coords(param: torch.Tensor, tp_rank: int, tp_size: int,
-                  group_coords: Mapping[str, tuple[int, int]] | None) -> tuple[int, int]:
-    """(rank, size) in the group splitting ``param``: TP's unless its own placement names another group."""
-    placement = getattr(param, "placement", None)
-    if placement is None or not placement.sharded or placement.shard_group == "tp":
-        return tp_rank, tp_size
-    if group_coords is None or placement.shard_group not in group_coords:
-        raise ValueError(f"a parameter split over the {placement.shard_group!r} group needs that group's (rank, size) "
-                         "in group_coords to draw its shard")
-    return group_coords[placement.shard_group]
 
 
 # ---- model-parallel RNG -------------------------------------------------------------------------------
