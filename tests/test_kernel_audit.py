@@ -140,6 +140,18 @@ def test_fp8_attention_kernels_are_audited_on_wgmma_without_spills(audit_rows):
     assert all(r.get("wgmma") and "error" not in r for r in rows.values()), rows
 
 
+def test_grouped_fp8_gemm_is_audited_on_wgmma_and_tma_without_spills(audit_rows):
+    """The MoE experts' grouped FP8 GEMM (fprop and dgrad, rowwise and blockwise) compiles for sm_90a at its Hopper
+    config to wgmma with TMA loads, without spills; its fast-accumulation fprop keeps a wgmma group in flight."""
+    _, report = audit_rows
+    from megafp8_kernels.grouped_gemm_triton import GROUPED_GEMM_KERNEL_NAME
+
+    rows = {r["case"]: r for r in report["rows"] if r["kernel"] == GROUPED_GEMM_KERNEL_NAME}
+    assert set(rows) == {case for case, _, _ in kernel_audit.grouped_gemm_cases()}
+    assert all(r.get("wgmma") and r.get("tma_loads") and "error" not in r for r in rows.values()), rows
+    assert rows["rowwise fast-accum fprop e4m3xe4m3 bf16"]["sass_wait_in_flight"]
+
+
 def test_every_fused_optimizer_kernel_is_audited(audit_rows):
     """The fused AdamW kernels (fp32 and coded presets, the fp16 master's publication), compiled at CUDA's launch
     sizes (not the interpreter's 64k-element blocks): --quick's cases of audit_optimizer_cases, spill-free (the full

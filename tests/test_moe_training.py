@@ -181,8 +181,8 @@ def test_the_fp8_zero_paths_work_for_experts_over_their_expert_data_parallel_gro
     """Under EP2 x DP2 an expert's ZeRO shards are held by its expert-data-parallel group (the ranks with the same
     experts), not by DP: --fp8-param-gather agrees each expert weight's amax there and gathers its FP8 bytes there,
     so with tensorwise (current) scaling its first step is the run without it bit for bit (a scale agreed over the
-    wrong ranks, another expert's amax, changes the bytes) and the rest within round-off; --fp8-grad-reduce and an
-    fp16 master on top stay within FP8's bounds of it."""
+    wrong ranks, another expert's amax, changes the bytes) and the rest within round-off; --moe-grouped-gemm on those
+    weights is the same run; --fp8-grad-reduce and an fp16 master on top stay within FP8's bounds of it."""
     tmp_path, _ = single_process
     ep2 = ["--expert-model-parallel-size", "2", *ZERO, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     plain = _train(tmp_path, "ep2-tensorwise", 4, *ep2)
@@ -194,6 +194,11 @@ def test_the_fp8_zero_paths_work_for_experts_over_their_expert_data_parallel_gro
         assert abs(a["lm_loss"] - e["lm_loss"]) <= 1e-5 * e["lm_loss"], (a, e)
     assert all(r["comm_bytes"]["dp_param_allgather"] < p["comm_bytes"]["dp_param_allgather"]
                for r, p in zip(gathered, plain))  # FP8 bytes on the wire
+    # --moe-grouped-gemm on the gathered FP8 weights: fprop and dgrad as grouped FP8 GEMMs, whose CPU twin is the
+    # loop's GEMMs on the same operands: the same run to the bit.
+    grouped = _train(tmp_path, "ep2-fp8-param-gather-grouped", 4, *ep2, "--fp8-param-gather", "--moe-grouped-gemm")
+    assert [(r["lm_loss"], r["grad_norm"], r["moe_tokens_per_expert"]) for r in grouped] == [
+        (r["lm_loss"], r["grad_norm"], r["moe_tokens_per_expert"]) for r in gathered]
     everything = _train(tmp_path, "ep2-fp8-zero", 4, *ep2, "--fp8-param-gather", "--fp8-grad-reduce",
                         "--master-weight-dtype", "fp16")
     for a, e in zip(everything, plain):

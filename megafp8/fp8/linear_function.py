@@ -211,7 +211,7 @@ def _transposed_parts(q: Float8Tensor) -> TransposedShard:
     return TransposedShard(*q.col_major(), q.global_scale_inv_t)
 
 
-def _logical_shape(payload: torch.Tensor, fmt) -> tuple[int, int]:
+def logical_shape(payload: torch.Tensor, fmt) -> tuple[int, int]:
     """(rows, cols) of the tensor a payload holds: a packed 4-bit payload holds two elements per byte."""
     rows, cols = payload.shape
     return rows, cols * 8 // fmt.bits
@@ -227,7 +227,7 @@ def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
+def weight_gradient(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
            column_scale: torch.Tensor | None) -> torch.Tensor | None:
     """dW = dY^T @ x from the transposed copies (as row-major operands), accumulated into an fp32 `main_grad`
     inside the GEMM where it can be."""
@@ -248,8 +248,8 @@ def _deferred_wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
         x_t_full = x_t
         if args.sp_input is not None:  # this rank's x^T columns: gathered over TP now, in W
             data_t = args.sp_input.gather_cols_async(x_t.data).wait()
-            x_t_full = dataclasses.replace(x_t, shape=_logical_shape(data_t, x_t.format), data=data_t)
-        return _wgrad(dy_t, x_t_full, weight, args.wgrad_column_scale)
+            x_t_full = dataclasses.replace(x_t, shape=logical_shape(data_t, x_t.format), data=data_t)
+        return weight_gradient(dy_t, x_t_full, weight, args.wgrad_column_scale)
     return run
 
 
@@ -378,7 +378,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_weight = None
         if needs_wgrad:
             x_format, x_layout = ctx.x_kind
-            x_t_operand = Float8Tensor(_logical_shape(x_t, x_format), x_format, x_layout, x_t, x_scale_t,
+            x_t_operand = Float8Tensor(logical_shape(x_t, x_format), x_format, x_layout, x_t, x_scale_t,
                                        global_scale_inv=x_global_t)
         if needs_wgrad and ctx.probe_x is not None:  # (never under SP: x_t_operand is the whole x^T)
             layer.grad_noise_probe.record(dy2d, ctx.probe_x, scaled_gemm(dy_fp8.t(), x_t_operand,
@@ -390,8 +390,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         elif needs_wgrad:
             if x_t_pending is not None:
                 data_t = x_t_pending.wait()
-                x_t_operand = dataclasses.replace(x_t_operand, shape=_logical_shape(data_t, x_format), data=data_t)
-            grad_weight = _wgrad(dy_fp8.t(), x_t_operand, weight, args.wgrad_column_scale)
+                x_t_operand = dataclasses.replace(x_t_operand, shape=logical_shape(data_t, x_format), data=data_t)
+            grad_weight = weight_gradient(dy_fp8.t(), x_t_operand, weight, args.wgrad_column_scale)
 
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[2]:

@@ -8,12 +8,21 @@ device: no expert's count is read on the host. The weights are the experts' own 
 ``GroupedLinear``'s backward is written out rather than left to autograd: dgrad is a grouped GEMM of the output
 gradient with the same weights, wgrad a grouped GEMM whose groups run along the rows (``dYᵀ X`` per expert, the
 "2-D x 2-D" form), so it runs wherever the forward does (autograd's own formula for ``_grouped_mm`` fails on CPU
-in fp32). The twin is the loop of linears in megafp8.model.moe; an FP8 or FP4 expert always runs that loop (each
-GEMM through the recipe's quantizers): a grouped FP8 GEMM is not built.
+in fp32). The twin is the loop of linears in megafp8.model.moe.
+
+FP8 experts (``grouped_fp8_mlp``) run fc1 and fc2 through megafp8.fp8.grouped_linear_function: each expert's operands
+quantized by its own linear, fprop and dgrad one grouped FP8 GEMM each (megafp8_kernels.grouped_gemm), wgrad per
+expert; on the loop's padded rows, so both paths see the same operands. The SwiGLU between them runs unfused (the
+loop fuses it into fc2's FP8 input cast). MX and NVFP4 experts keep the loop.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from megafp8.fp8 import swiglu
+from megafp8.fp8.grouped_linear_function import grouped_fp8_linear
+from megafp8.fp8.recipe import Fp8Recipe
 
 
 def grouped_gemm_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -49,3 +58,23 @@ class GroupedLinear(torch.autograd.Function):
 def grouped_linear(rows: torch.Tensor, weights: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
     """The experts' linears (one weight ``[out, in]`` each) on their rows, as one grouped GEMM."""
     return GroupedLinear.apply(rows, torch.stack(weights), offsets)
+
+
+def grouped_fp8_mlp(experts: list[nn.Module], runs: list[torch.Tensor], recipe: Fp8Recipe) -> list[torch.Tensor]:
+    """Each expert's SwiGLU MLP on its (padded) rows, fc1 and fc2 as grouped FP8 GEMMs; one output per expert."""
+    sizes = [run.shape[0] for run in runs]
+    fc1, fc2 = [e.linear_fc1 for e in experts], [e.linear_fc2 for e in experts]
+    for linear in fc1 + fc2:
+        run_forward_pre_hooks(linear)  # its weight is read below without calling it
+    gate_up = grouped_fp8_linear(torch.cat(runs), sizes, fc1, recipe)
+    return grouped_fp8_linear(swiglu(*gate_up.chunk(2, dim=-1)), sizes, fc2, recipe).split(sizes)
+
+
+def run_forward_pre_hooks(module: nn.Module) -> None:
+    """What calling ``module`` runs before its forward: ZeRO's on-demand parameter gather (--overlap-param-gather),
+    the precision follower's weight (megafp8.optim.precision_follower)."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, (), {})
+        else:
+            hook(module, ())

@@ -43,7 +43,8 @@ from torch import nn
 from megafp8.fp8 import swiglu
 from megafp8.fp8.autocast import resolve_recipe
 from megafp8.model.config import ModelConfig
-from megafp8.model.grouped_gemm import grouped_gemm_supported, grouped_linear
+from megafp8.fp8.grouped_linear_function import grouped_fp8_ready
+from megafp8.model.grouped_gemm import grouped_fp8_mlp, grouped_gemm_supported, grouped_linear, run_forward_pre_hooks
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
 from megafp8.parallel import collectives as C
@@ -174,13 +175,17 @@ class MoELayer(nn.Module):
             # Under ETP an expert's linears gather its rows from every ETP rank and reduce-scatter their outputs back,
             # in equal pieces: each rank pads its rows of an expert to the most any ETP rank has of it.
             run_sizes = self._most_rows_over_etp(sizes) if self.etp.size > 1 else sizes
-        outputs = []
+        runs = []
         for expert, chunk, most in zip(experts, rows.split(sizes), run_sizes):
-            n = chunk.shape[0]
             padded = _round_up(max(most, 1), self._row_alignment(expert))
-            run = chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])])
-            outputs.append(expert(run.unsqueeze(1), fuse_activation=True).squeeze(1)[:n])
-        outputs = torch.cat(outputs)
+            n = chunk.shape[0]
+            runs.append(chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])]))
+        recipe = self._grouped_fp8_recipe(experts)
+        if recipe is not None:  # the same padded rows, two grouped FP8 GEMMs instead of the loop's
+            outputs = grouped_fp8_mlp(experts, runs, recipe)
+        else:
+            outputs = [expert(run.unsqueeze(1), fuse_activation=True).squeeze(1) for expert, run in zip(experts, runs)]
+        outputs = torch.cat([out[:n] for out, n in zip(outputs, sizes)])
         return outputs if slots is None else outputs[slots]
 
     def _row_alignment(self, expert: MLP) -> int:
@@ -201,6 +206,14 @@ class MoELayer(nn.Module):
         return not any(_runs_low_precision(m) for e in self.experts.local_experts.values()
                        for m in (e.linear_fc1, e.linear_fc2))
 
+    def _grouped_fp8_recipe(self, experts: list[MLP]):
+        """--moe-grouped-gemm with FP8 experts: the recipe every local expert's linears run now, when the grouped FP8
+        path runs them as the loop would (whole experts, SwiGLU, a recipe with a grouped kernel:
+        megafp8.fp8.grouped_linear_function.grouped_fp8_ready); else None, and the loop runs."""
+        if not (self.grouped_gemm and self.etp.size == 1 and self.activation == "swiglu"):
+            return None
+        return grouped_fp8_ready([m for e in experts for m in (e.linear_fc1, e.linear_fc2)])
+
     def _capacity_grid(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
                        size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows placed in an ``[E x size, h]`` grid of zeros, expert e's from row ``e x size`` on, and each row's
@@ -220,7 +233,7 @@ class MoELayer(nn.Module):
             counts = torch.full_like(counts, capacity)
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         for linear in (m for e in experts for m in (e.linear_fc1, e.linear_fc2)):
-            _run_forward_pre_hooks(linear)  # its weight is read below without calling it
+            run_forward_pre_hooks(linear)  # its weight is read below without calling it
         gate_up = grouped_linear(rows, [e.linear_fc1.weight for e in experts], offsets)
         # Smooth-SwiGLU's channel scales cancel exactly in high precision: plain SwiGLU is the same function.
         outputs = grouped_linear(swiglu(*gate_up.chunk(2, dim=-1)), [e.linear_fc2.weight for e in experts], offsets)
@@ -256,16 +269,6 @@ class MoELayer(nn.Module):
 def _runs_low_precision(linear: nn.Module) -> bool:
     """Whether an expert's linear runs an 8- or 4-bit recipe now (the guard may have switched it alone)."""
     return resolve_recipe(linear.recipe, linear.runs_high_precision) is not None
-
-
-def _run_forward_pre_hooks(module: nn.Module) -> None:
-    """What calling ``module`` runs before its forward: ZeRO's on-demand parameter gather (--overlap-param-gather),
-    the precision follower's weight (megafp8.optim.precision_follower)."""
-    for hook_id, hook in list(module._forward_pre_hooks.items()):
-        if hook_id in module._forward_pre_hooks_with_kwargs:
-            hook(module, (), {})
-        else:
-            hook(module, ())
 
 
 def _round_up(n: int, multiple: int) -> int:

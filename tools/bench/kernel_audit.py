@@ -332,6 +332,8 @@ def audit(quick: bool = False, shard: tuple[int, int] = (0, 1)) -> tuple[list[di
     rows += training_rows(ptxas, failures, mine, first, quick)
     first += len(list(training_cases(quick)))
     rows += attention_rows(ptxas, failures, mine, first, quick)
+    first += len(list(attention_cases(quick)))
+    rows += grouped_gemm_rows(ptxas, failures, mine, first)
     return rows, failures
 
 
@@ -350,14 +352,15 @@ def known_spill(case: GemmCase) -> str | None:
 
 def case_families(quick: bool) -> list[str]:
     """The family of every audit case in audit order (the shard plan's unit of cost): "gemm triton", "gemm gluon",
-    "quantize", "norm_quantize", "optimizer", "training gemm", "training cast", "attention"
-    (audit_shards.FAMILY_SECONDS)."""
+    "quantize", "norm_quantize", "optimizer", "training gemm", "training cast", "attention",
+    "grouped gemm" (audit_shards.FAMILY_SECONDS)."""
     families = [f"gemm {case.precise_kernel}" for case in gemm_cases(quick)]
     families += ["quantize"] * len(list(quantize_cases()))
     families += ["norm_quantize"] * len(list(norm_quantize_cases()))
     families += ["optimizer"] * len(list(optimizer_cases(quick)))
     families += [f"training {family}" for _, family, _ in training_cases(quick)]
     families += ["attention"] * len(list(attention_cases(quick)))
+    families += ["grouped gemm"] * len(GROUPED_GEMM_CASES)
     return families
 
 
@@ -595,6 +598,46 @@ def attention_cases(quick: bool = False):
                 fp8_attention_backward_triton(do, q, kv, kv, one, one, one, one, rows, rows, causal, 0.125, e5m2)
             yield label, ATTENTION_KERNELS[1], backward
             yield label, ATTENTION_KERNELS[2], backward
+
+
+GROUPED_GEMM_CASES = (("rowwise fast-accum fprop e4m3xe4m3 bf16", "rowwise", "e4m3", True),
+                      ("rowwise dgrad e5m2xe4m3 bf16", "rowwise", "e5m2", False),
+                      ("blockwise fprop e4m3xe4m3 bf16", "blockwise", "e4m3", False),
+                      ("blockwise dgrad e5m2xe4m3 bf16", "blockwise", "e5m2", False))
+
+
+def grouped_gemm_cases():
+    """(case label, kernel name, call) of the grouped FP8 GEMM (grouped_gemm_triton.py: an MoE layer's fprop and dgrad
+    over its local experts) at its Hopper config: 8 experts of 512 x 1024 weights, 1000 rows split unevenly, in each
+    mode it runs (tensorwise recipes arrive as rowwise), fprop E4M3 and dgrad with E5M2 gradients, to bf16."""
+    import torch
+
+    from megafp8_kernels import GemmScaleMode
+    from megafp8_kernels.grouped_gemm_triton import GROUPED_GEMM_KERNEL_NAME, SM90_CONFIG, grouped_fp8_gemm_triton
+
+    groups, M, N, K = 8, 1000, 512, 1024
+    ends = torch.tensor([90, 250, 250, 400, 610, 700, 880, 1000], dtype=torch.int32)
+    b = torch.zeros(groups, N, K, dtype=torch.float8_e4m3fn)
+    for label, mode_name, a_dtype, fast in GROUPED_GEMM_CASES:
+        mode = GemmScaleMode(mode_name)
+        a = torch.zeros(M, K, dtype=_fp8_dtype(a_dtype))
+        if mode is GemmScaleMode.ROWWISE:
+            sa, sb = torch.ones(M, 1), torch.ones(groups, N, 1)
+        else:
+            sa, sb = torch.ones(K // 128, M).t(), torch.ones(groups, N // 128, K // 128)
+        yield label, GROUPED_GEMM_KERNEL_NAME, lambda a=a, sa=sa, sb=sb, mode=mode, fast=fast: \
+            grouped_fp8_gemm_triton(a, b, sa, sb, ends, mode, torch.bfloat16, fast, config=SM90_CONFIG)
+
+
+def grouped_gemm_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
+                      first: int = 0) -> list[dict]:
+    """One row per grouped FP8 GEMM case, labelled with its Hopper tile."""
+    from megafp8_kernels.grouped_gemm_triton import SM90_CONFIG as c
+
+    def launch(case: str, kernel) -> str:
+        return f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
+
+    return compiled_case_rows(grouped_gemm_cases(), launch, ptxas, failures, mine, first)
 
 
 def attention_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,

@@ -1,0 +1,78 @@
+"""grouped_fp8_gemm: one FP8 GEMM per group of rows, every group in one call (an MoE layer's local experts), a torch
+custom op (megafp8::grouped_fp8_gemm) like fp8_gemm: Triton on CUDA (grouped_gemm_triton.py), the twin on CPU
+(grouped_gemm_reference.py), the same backend choice (dispatch.resolve_backend)."""
+from __future__ import annotations
+
+import torch
+
+from .custom_op_startup import run_eagerly_until_dynamo
+from .dispatch import resolve_backend
+from .formats import ScaleLayout, scale_layout
+from .grouped_gemm_reference import grouped_fp8_gemm_reference
+from .scaling import GEMM_OUT_DTYPES, GemmScaleMode, check_gemm_args
+
+GROUPED_MODES = (GemmScaleMode.ROWWISE, GemmScaleMode.BLOCKWISE)
+
+
+def check_grouped_gemm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                            group_ends: torch.Tensor, layouts: tuple, out_dtype: torch.dtype,
+                            fast_accum: bool) -> GemmScaleMode:
+    """The mode of a valid call, else one ValueError saying what to pass (no host read of the ends)."""
+    if b.dim() != 3:
+        raise ValueError(f"grouped_fp8_gemm wants B (groups, N, K), got shape {tuple(b.shape)}")
+    if group_ends.dim() != 1 or group_ends.numel() != b.shape[0] or group_ends.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"group_ends must be an int32/int64 vector of one cumulative row end per group "
+                         f"({b.shape[0]}), got {group_ends.dtype} of shape {tuple(group_ends.shape)}")
+    if out_dtype not in GEMM_OUT_DTYPES:
+        raise ValueError(f"unsupported GEMM output dtype {out_dtype}: use float32, bfloat16 or float16")
+    mode = GemmScaleMode.declared(*layouts)
+    if mode not in GROUPED_MODES:
+        raise ValueError(f"grouped_fp8_gemm runs rowwise (PER_ROW x PER_ROW; tensorwise scales expanded to rows) and "
+                         f"blockwise (BLOCK_1X128 x BLOCK_128X128) GEMMs, not {mode.value}")
+    if fast_accum and mode is not GemmScaleMode.ROWWISE:
+        raise ValueError("fast_accum=True is for rowwise GEMMs (fprop); blockwise promotes every 128 of K")
+    if scale_b.dim() != 3 or scale_b.shape[0] != b.shape[0]:
+        raise ValueError(f"scale_b must hold one scale tensor per group, (groups, ...), got {tuple(scale_b.shape)}")
+    # One group's operands are a plain FP8 GEMM's: the same checks (dtypes, K, scale shapes).
+    check_gemm_args(a, b[0], scale_a, scale_b[0], out_dtype, None, None, False, mode.operand_layouts)
+    return mode
+
+
+@torch.library.custom_op("megafp8::grouped_fp8_gemm", mutates_args=())
+def _grouped_fp8_gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                         group_ends: torch.Tensor, layout_a: str, layout_b: str, out_dtype: torch.dtype,
+                         fast_accum: bool, backend: str) -> torch.Tensor:
+    mode = GemmScaleMode.declared(layout_a, layout_b)
+    if a.shape[0] == 0:
+        return a.new_empty((0, b.shape[1]), dtype=out_dtype)
+    if resolve_backend(a.device, backend or None) == "triton":
+        from .grouped_gemm_triton import grouped_fp8_gemm_triton  # Triton is imported only where it is used
+
+        return grouped_fp8_gemm_triton(a, b, scale_a, scale_b, group_ends, mode, out_dtype, fast_accum)
+    return grouped_fp8_gemm_reference(a, b, scale_a, scale_b, group_ends, mode, out_dtype)  # exact: no fast_accum
+
+
+run_eagerly_until_dynamo(_grouped_fp8_gemm_op)
+
+
+@_grouped_fp8_gemm_op.register_fake
+def _(a, b, scale_a, scale_b, group_ends, layout_a, layout_b, out_dtype, fast_accum, backend):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def grouped_fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     group_ends: torch.Tensor, *, layouts: tuple[str | ScaleLayout, str | ScaleLayout],
+                     out_dtype: torch.dtype = torch.float32, fast_accum: bool = False,
+                     backend: str | None = None) -> torch.Tensor:
+    """C (M, N), group g's rows ``[ends[g-1], ends[g])`` of A (M, K) times B[g] (N, K) transposed, accumulated in fp32.
+
+    group_ends: (G,) cumulative row ends on A's device (nondecreasing, the last = M; an empty group repeats its
+                predecessor's end); the Triton kernel never reads them on the host.
+    layouts:    the declared (A, B) scale layouts: PER_ROW x PER_ROW (scale_a (M, 1), scale_b (G, N, 1)) or
+                BLOCK_1X128 x BLOCK_128X128 (scale_a (M, K/128), scale_b (G, N/128, K/128)).
+    fast_accum: rowwise only (fprop): the tensor core accumulates over all of K on CUDA; the CPU twin is exact."""
+    mode = check_grouped_gemm_args(a, b, scale_a, scale_b, group_ends, layouts, out_dtype, fast_accum)
+    layout_a, layout_b = (scale_layout(layout).name for layout in mode.operand_layouts)
+    return torch.ops.megafp8.grouped_fp8_gemm(a, b, scale_a, scale_b, group_ends, layout_a, layout_b, out_dtype,
+                                              fast_accum, backend or "")
+

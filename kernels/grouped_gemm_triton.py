@@ -1,0 +1,121 @@
+"""Triton grouped FP8 GEMM: C[rows of group g] = A[rows of g] @ B[g].T for every group in one launch (the local experts'
+linears of an MoE layer). Twin: grouped_gemm_reference.py (a loop of fp8_gemm_reference).
+
+A (M, K) holds the groups' rows one after another (group g: rows ``[ends[g-1], ends[g])``, ends on the device, never
+read on the host); B (G, N, K) is every group's K-major operand, read as one (G N, K) tensor by TMA. Each program owns
+one (BLOCK_M, BLOCK_N) tile of one group: the grid is the upper bound ``(cdiv(M, BLOCK_M) + G) x cdiv(N, BLOCK_N)`` of
+the groups' tiles (a group of r rows has cdiv(r, BLOCK_M)); a program finds its group by walking the G ends (G is the
+local experts, tens), and the programs past the last tile return. A tile's TMA loads may reach into the next group's
+rows of A or B (a group's rows start anywhere, N need not be a multiple of BLOCK_N): those rows and columns are masked
+out of the store, never summed into another group's output.
+
+Scale modes, as gemm.py's (scaling.GemmScaleMode):
+  rowwise    sa (M, 1), sb (G, N, 1), applied in the epilogue (a tensorwise recipe's per-group scalars arrive
+             expanded to rows); `fast_accum` lets the tensor core accumulate over all of K (fprop);
+  blockwise  sa (M, K/128) 1x128, sb (G, N/128, K/128) 128x128, each 128-wide K step's partial product scaled
+             before it joins the fp32 accumulator (DeepSeek-V3's promotion).
+Not persistent and without gemm.py's grouped tile order: the expert GEMMs are small and many; a GPU has not timed it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .gemm import _tma_ready
+from .quantize_triton import _interpreting
+from .scaling import BLOCK, GemmScaleMode
+
+GROUPED_GEMM_KERNEL_NAME = "_grouped_fp8_gemm_kernel"
+
+
+@triton.jit
+def _grouped_fp8_gemm_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, G, stride_cm,
+                             stride_sa_m, stride_sa_k, stride_sb_g, stride_sb_n, stride_sb_k,
+                             BLOCKWISE: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    grid_n = tl.cdiv(N, BLOCK_N)
+    tile_m, pid_n = tl.program_id(0) // grid_n, tl.program_id(0) % grid_n
+    # This program's group: the one whose tiles (counted over the groups before it) include tile_m.
+    group = tl.full([], -1, tl.int32)
+    row_start = tl.full([], 0, tl.int32)
+    row_end = tl.full([], 0, tl.int32)
+    start = tl.full([], 0, tl.int32)
+    tiles_before = tl.full([], 0, tl.int32)
+    for g in tl.range(0, G):
+        end = tl.load(ends_ptr + g).to(tl.int32)
+        tiles = tl.cdiv(end - start, BLOCK_M)
+        hit = (tile_m >= tiles_before) & (tile_m < tiles_before + tiles)
+        group = tl.where(hit, g, group)
+        row_start = tl.where(hit, start + (tile_m - tiles_before) * BLOCK_M, row_start)
+        row_end = tl.where(hit, end, row_end)
+        tiles_before += tiles
+        start = end
+    if group >= 0:
+        offs_m = row_start + tl.arange(0, BLOCK_M).to(tl.int64)  # int64: offsets may exceed 2**31
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        m_ok, n_ok = offs_m < row_end, offs_n < N
+        b_row = group * N + pid_n * BLOCK_N
+        sb_group = sb_ptr + group.to(tl.int64) * stride_sb_g
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FAST_ACCUM:
+            for k_step in tl.range(0, tl.cdiv(K, BLOCK_K)):
+                a = a_desc.load([row_start, k_step * BLOCK_K])
+                b = b_desc.load([b_row, k_step * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+        else:
+            for k_step in tl.range(0, tl.cdiv(K, BLOCK_K)):
+                a = a_desc.load([row_start, k_step * BLOCK_K])
+                b = b_desc.load([b_row, k_step * BLOCK_K])
+                partial = tl.dot(a, b.T)
+                if BLOCKWISE:  # BLOCK_K == 128: one scale group per K step
+                    sa = tl.load(sa_ptr + offs_m * stride_sa_m + k_step * stride_sa_k, mask=m_ok, other=0.0)
+                    sb = tl.load(sb_group + (offs_n // 128) * stride_sb_n + k_step * stride_sb_k, mask=n_ok,
+                                 other=0.0)
+                    acc += partial * sa[:, None] * sb[None, :]
+                else:
+                    acc += partial
+        if not BLOCKWISE:
+            sa = tl.load(sa_ptr + offs_m * stride_sa_m, mask=m_ok, other=0.0)
+            sb = tl.load(sb_group + offs_n * stride_sb_n, mask=n_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        c_mask = m_ok[:, None] & n_ok[None, :]
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# The audited non-spilling shape of gemm.py's precise kernel (128x128x128, 8 warps, 3 stages); small tiles in the
+# interpreter, so a test's few rows span several tiles and groups.
+SM90_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=BLOCK, num_warps=8, num_stages=3)
+FALLBACK_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=BLOCK, num_warps=4, num_stages=1)
+
+
+def default_config(device: torch.device) -> dict:
+    if _interpreting():
+        return _INTERPRETER_CONFIG
+    return SM90_CONFIG if torch.cuda.get_device_capability(device)[0] == 9 else FALLBACK_CONFIG
+
+
+def grouped_fp8_gemm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                            group_ends: torch.Tensor, mode: GemmScaleMode, out_dtype: torch.dtype = torch.float32,
+                            fast_accum: bool = False, config: dict | None = None):
+    """The twin's arguments (grouped_gemm.grouped_fp8_gemm checked them). `config` forces one launch config and then
+    returns (out, Triton's compiled kernel), for tools that read its resources. Rows after the last group's end are
+    left unwritten."""
+    (M, K), (G, N, _) = a.shape, b.shape
+    forced = config is not None
+    config = dict(config or default_config(a.device))
+    blocks = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    out = torch.empty((M, N), device=a.device, dtype=out_dtype)
+    a, b = _tma_ready(a), _tma_ready(b.reshape(G * N, K))
+    a_desc = TensorDescriptor.from_tensor(a, [blocks["BLOCK_M"], blocks["BLOCK_K"]])
+    b_desc = TensorDescriptor.from_tensor(b, [blocks["BLOCK_N"], blocks["BLOCK_K"]])
+    blockwise = mode == GemmScaleMode.BLOCKWISE
+    grid = ((triton.cdiv(M, blocks["BLOCK_M"]) + G) * triton.cdiv(N, blocks["BLOCK_N"]),)
+    kernel = _grouped_fp8_gemm_kernel[grid](
+        a_desc, b_desc, out, scale_a, scale_b, group_ends, N, K, G, out.stride(0),
+        scale_a.stride(0), scale_a.stride(1), *scale_b.stride(), BLOCKWISE=blockwise, FAST_ACCUM=fast_accum,
+        **blocks, **config)
+    return (out, kernel) if forced else out

@@ -1,0 +1,153 @@
+"""The local experts' FP8 linears as grouped GEMMs (``--moe-grouped-gemm`` with FP8 experts): fprop and dgrad are one
+grouped FP8 GEMM each over every expert (megafp8_kernels.grouped_gemm), wgrad one FP8 GEMM per expert.
+
+Each expert's operands are quantized by its own linear, exactly as the loop of linear_function's op does: its
+recipe's quantizers, its delayed-scaling states, its cached (or ZeRO-injected) FP8 weight, its telemetry counts (so
+the saturation guard watches every expert as in the loop). Only the GEMMs are grouped: the experts' FP8 rows
+concatenated (their scales expanded to rows where the recipe scales a whole tensor), their FP8 weights stacked.
+
+    fprop  Y_e  = X_e  @ W_e^T     one grouped GEMM (rows of expert e x its weight)
+    dgrad  dX_e = dY_e @ W_e       one grouped GEMM (its weight's transposed copy)
+    wgrad  dW_e = dY_e^T @ X_e     a GEMM per expert (K is the expert's rows: a grouping along K is not built)
+
+It runs the recipes whose two GEMMs the grouped kernel has (tensorwise, delayed, rowwise, blockwise); the others
+(MX, NVFP4), Smooth-SwiGLU's per-input weight, a zero-bubble schedule's deferred wgrad, and the probes that read a
+linear's input in high precision (kurtosis, the FP4 grad-noise probe, the forced-overflow hook) keep the loop
+(``grouped_fp8_ready``). On CPU the grouped GEMM's twin is the loop's own GEMMs, so both paths give the same bits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from megafp8_kernels import GemmScaleMode
+from megafp8_kernels.formats import PER_ROW, PER_TENSOR
+from megafp8_kernels.grouped_gemm import GROUPED_MODES, grouped_fp8_gemm
+
+from .autocast import resolve_recipe
+from .linear import Fp8GemmModule
+from .linear_function import logical_shape, quantize_operand, weight_gradient
+from .recipe import Fp8Recipe
+from .tensor import Float8Tensor
+
+
+def _grouped_mode(recipe: Fp8Recipe, role: str) -> GemmScaleMode | None:
+    """The grouped kernel's mode for ``role`` (input: fprop, grad_output: dgrad) times the weight, or None."""
+    a, w = recipe.quantizer(role), recipe.quantizer("weight")
+    if a.format.bits != 8 or w.format.bits != 8:
+        return None
+    layouts = tuple(PER_ROW if q.layout == PER_TENSOR else q.layout for q in (a, w))  # scalars expand to rows
+    try:
+        mode = GemmScaleMode.declared(*layouts)
+    except ValueError:
+        return None
+    return mode if mode in GROUPED_MODES and (a.layout == PER_TENSOR) == (w.layout == PER_TENSOR) else None
+
+
+def grouped_fp8_ready(linears: list[Fp8GemmModule]) -> Fp8Recipe | None:
+    """The recipe all these linears run now, if the grouped FP8 path runs them as the loop would; else None."""
+    recipes = {resolve_recipe(linear.recipe, linear.runs_high_precision) for linear in linears}
+    if len(recipes) != 1:
+        return None
+    (recipe,) = recipes
+    if recipe is None or recipe.fprop_high_precision or recipe.is_microscaled:
+        return None
+    if _grouped_mode(recipe, "input") is None or _grouped_mode(recipe, "grad_output") is None:
+        return None
+    if any(linear.kurtosis_enabled or linear.grad_noise_probe is not None or linear.forced_overflow_factor is not None
+           or linear.wgrad_deferral is not None or linear.smooths_input or getattr(linear, "bias", None) is not None
+           or getattr(linear, "output_multiplier", None) is not None for linear in linears):
+        return None
+    return recipe
+
+
+def _rows_operand(parts: list[Float8Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' FP8 rows one after another, and their scales per row (a tensor's one scale repeated)."""
+    data = torch.cat([p.data for p in parts])
+    if parts[0].layout == PER_TENSOR:
+        return data, torch.cat([p.scale_inv.reshape(1).expand(p.shape[0]) for p in parts]).unsqueeze(1)
+    return data, torch.cat([p.scale_inv for p in parts])
+
+
+def _stacked_operand(parts: list[Float8Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' FP8 weights stacked (G, N, K), and their scales (G, ...) (a tensor's one scale per row)."""
+    data = torch.stack([p.data for p in parts])
+    if parts[0].layout == PER_TENSOR:
+        return data, torch.stack([p.scale_inv.reshape(1, 1).expand(p.shape[0], 1) for p in parts])
+    return data, torch.stack([p.scale_inv for p in parts])
+
+
+def _grouped_gemm(rows: list[Float8Tensor], weights: list[Float8Tensor], ends: torch.Tensor, out_dtype: torch.dtype,
+                  fast_accum: bool = False) -> torch.Tensor:
+    a, scale_a = _rows_operand(rows)
+    b, scale_b = _stacked_operand(weights)
+    layouts = tuple(PER_ROW if t.layout == PER_TENSOR else t.layout for t in (rows[0], weights[0]))
+    return grouped_fp8_gemm(a, b, scale_a, scale_b, ends, layouts=layouts, out_dtype=out_dtype,
+                            fast_accum=fast_accum and layouts[0] == PER_ROW)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedArgs:
+    """The non-tensor inputs of one grouped call: the experts' linears, their recipe, each one's row count (padded as
+    the loop pads them), their FP8 weights for this step, and whether to feed delayed-scaling histories."""
+
+    recipe: Fp8Recipe
+    linears: tuple[Fp8GemmModule, ...]
+    sizes: tuple[int, ...]
+    weights_fp8: tuple[Float8Tensor, ...]
+    observe: bool
+
+
+class _GroupedFp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, args: GroupedArgs, *weights: torch.Tensor) -> torch.Tensor:
+        needs_wgrad = any(ctx.needs_input_grad[2:])
+        parts = [quantize_operand(chunk, args.recipe, "input", linear.scaling_state("input", args.recipe),
+                                  needs_wgrad, linear, observe=args.observe)
+                 for chunk, linear in zip(rows.split(args.sizes), args.linears)]
+        ends = torch.tensor(list(itertools.accumulate(args.sizes)), dtype=torch.int32, device=rows.device)
+        y = _grouped_gemm(parts, list(args.weights_fp8), ends, rows.dtype, args.recipe.fast_accum("fprop"))
+        ctx.args, ctx.x_dtype, ctx.x_kind = args, rows.dtype, (parts[0].format, parts[0].layout)
+        saved = [t for p in parts for t in p.col_major()] if needs_wgrad else []
+        ctx.save_for_backward(ends, *weights, *saved)  # x^T of each expert in FP8, as the loop saves it
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        args = ctx.args
+        ends, *saved = ctx.saved_tensors
+        weights, x_t = saved[:len(args.linears)], saved[len(args.linears):]
+        needs_wgrad = any(ctx.needs_input_grad[2:])
+        dy = grad_output.contiguous()
+        dy_parts = [quantize_operand(chunk, args.recipe, "grad_output",
+                                     linear.scaling_state("grad_output", args.recipe), needs_wgrad, linear,
+                                     observe=args.observe)
+                    for chunk, linear in zip(dy.split(args.sizes), args.linears)]
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = _grouped_gemm(dy_parts, [w.t() for w in args.weights_fp8], ends, ctx.x_dtype)
+        grad_weights = [None] * len(weights)
+        if needs_wgrad:
+            x_format, x_layout = ctx.x_kind
+            for e, (dy_e, weight) in enumerate(zip(dy_parts, weights)):
+                data_t, scale_t = x_t[2 * e], x_t[2 * e + 1]
+                x_t_operand = Float8Tensor(logical_shape(data_t, x_format), x_format, x_layout, data_t, scale_t)
+                grad_weights[e] = weight_gradient(dy_e.t(), x_t_operand, weight, None)
+        return grad_rows, None, *grad_weights
+
+
+def grouped_fp8_linear(rows: torch.Tensor, sizes: list[int], linears: list[Fp8GemmModule],
+                       recipe: Fp8Recipe) -> torch.Tensor:
+    """``rows [sum(sizes), in]``, expert e's ``sizes[e]`` rows after the ones before it -> ``[sum(sizes), out]``, each
+    expert's rows through its linear in FP8 (``recipe``: ``grouped_fp8_ready``); the weights' gradients go where the
+    loop's go (``main_grad`` when it exists)."""
+    grad = torch.is_grad_enabled()
+    observe = grad and all(linear.training for linear in linears)  # evaluation leaves the scaling state alone
+    weights = [linear.weight for linear in linears]
+    weights_fp8 = tuple(linear.fp8_weight(recipe, weight, observe) for linear, weight in zip(linears, weights))
+    if not grad:
+        rows, weights = rows.detach(), [w.detach() for w in weights]
+    args = GroupedArgs(recipe, tuple(linears), tuple(sizes), weights_fp8, observe)
+    return _GroupedFp8Linear.apply(rows, args, *weights)

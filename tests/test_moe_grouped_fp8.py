@@ -1,0 +1,111 @@
+"""--moe-grouped-gemm with FP8 experts (megafp8.fp8.grouped_linear_function): fprop and dgrad as grouped FP8 GEMMs
+must give the loop of FP8 linears' output, gradients and scaling state: to the bit on CPU (the grouped GEMM's twin is
+the loop's GEMMs), within the kernels' SQNR with the Triton kernel (interpreter). Recipes without a grouped kernel keep
+the loop."""
+import pytest
+import torch
+
+from fp8_testing import sqnr_db
+from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager, apply_precision_map, enable_fp8_telemetry
+from megafp8.fp8 import grouped_linear_function
+from megafp8.model.config import ModelConfig
+from megafp8.model.moe import MoELayer
+from megafp8.parallel.parallel_state import ParallelState
+
+HIDDEN, FFN, EXPERTS = 128, 256, 4
+GROUPED = {"tensorwise": dict(scaling="tensorwise", fp8_format="hybrid"),
+           "delayed": dict(scaling="delayed", fp8_format="hybrid"),
+           "rowwise": dict(scaling="rowwise", fp8_format="e4m3"),
+           "blockwise": dict(scaling="blockwise", fp8_format="e4m3")}
+
+
+def _layer(recipe: Fp8Recipe | None, grouped: bool, device: str = "cpu") -> MoELayer:
+    config = ModelConfig(hidden_size=HIDDEN, num_experts=EXPERTS, moe_ffn_hidden_size=FFN, moe_grouped_gemm=grouped)
+    layer = MoELayer(config, ParallelState().init_process_groups())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    apply_precision_map([layer], [recipe])
+    return layer.to(device)
+
+
+def _run(layer: MoELayer, steps: int = 2, seed: int = 1):
+    """Two forward/backward passes (the second under the first's delayed scales); output, input grad, weight grads."""
+    generator = torch.Generator().manual_seed(seed)
+    device = layer.router.weight.device
+    for _ in range(steps):
+        x = torch.randn(40, 2, HIDDEN, generator=generator).to(device).requires_grad_()
+        out = layer(x)
+        (out * torch.randn(out.shape, generator=generator).to(device)).sum().backward()
+        Fp8ScalingManager(layer, None).update()
+    grads = [p.grad.clone() for p in layer.experts.parameters()]
+    return out.detach(), x.grad, grads
+
+
+class _CountGroupedGemms:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = grouped_linear_function.grouped_fp8_gemm
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(grouped_linear_function, "grouped_fp8_gemm", counted)
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_grouped_fp8_experts_are_the_loop_to_the_bit_on_cpu(name, monkeypatch):
+    recipe = Fp8Recipe(**GROUPED[name])
+    loop, grouped = _layer(recipe, False), _layer(recipe, True)
+    for layer in (loop, grouped):
+        enable_fp8_telemetry(layer)
+    counter = _CountGroupedGemms(monkeypatch)
+    expected, got = _run(loop), _run(grouped)
+    assert counter.calls == 2 * 2 * 2  # two steps x (fc1, fc2) x (fprop, dgrad): the grouped path ran
+    assert any(n % 16 for n in grouped.stats["tokens_per_expert"].tolist())  # ragged loads, padded as the loop pads
+    for want, have in zip(expected[:2], got[:2]):
+        assert torch.equal(want, have)
+    assert all(torch.equal(w, h) for w, h in zip(expected[2], got[2]))
+    # Each expert's own scaling state and telemetry moved as in the loop (the guard reads them per expert).
+    for (name_a, a), (_, b) in zip(loop.named_buffers(), grouped.named_buffers()):
+        assert torch.equal(a, b), name_a
+    for m_loop, m_grouped in zip(loop.experts.modules(), grouped.experts.modules()):
+        for role, stats in getattr(m_loop, "fp8_telemetry", {}).items():
+            for key, value in stats.values().items():
+                assert torch.equal(value, m_grouped.fp8_telemetry[role].values()[key]), (role, key)
+
+
+@pytest.mark.parametrize("name", ["blockwise", pytest.param("tensorwise", marks=pytest.mark.slow)])
+def test_grouped_fp8_experts_with_the_triton_kernel_follow_the_loop(name, monkeypatch):
+    """The grouped Triton kernel (the interpreter on CPU, the GPU in gpu_check.sh) against the loop of the Triton FP8
+    GEMM: the same FP8 operands, sums in another order."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "triton")
+    recipe = Fp8Recipe(**GROUPED[name])
+    expected, got = _run(_layer(recipe, False, device), steps=1), _run(_layer(recipe, True, device), steps=1)
+    for want, have in zip((*expected[:2], *expected[2]), (*got[:2], *got[2])):
+        assert sqnr_db(have.cpu(), want.cpu()) >= 45.0
+
+
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
+def test_recipes_without_a_grouped_kernel_keep_the_loop(scaling, monkeypatch):
+    counter = _CountGroupedGemms(monkeypatch)
+    layer = _layer(Fp8Recipe(scaling=scaling), True)
+    _run(layer, steps=1)
+    assert counter.calls == 0
+    experts = list(layer.experts.local_experts.values())
+    assert layer._grouped_fp8_recipe(experts) is None
+
+
+def test_smooth_swiglu_and_a_guard_switched_expert_keep_the_loop():
+    recipe = Fp8Recipe(**GROUPED["blockwise"])
+    layer = _layer(recipe, True)
+    experts = list(layer.experts.local_experts.values())
+    assert layer._grouped_fp8_recipe(experts) == recipe
+    experts[2].linear_fc2.guard_high_precision = True  # the guard switched one expert's fc2 alone
+    assert layer._grouped_fp8_recipe(experts) is None
+    experts[2].linear_fc2.guard_high_precision = False
+    layer.activation = "smooth_swiglu"
+    assert layer._grouped_fp8_recipe(experts) is None
