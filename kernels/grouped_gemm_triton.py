@@ -14,6 +14,12 @@ Scale modes, as gemm.py's (scaling.GemmScaleMode):
              expanded to rows); `fast_accum` lets the tensor core accumulate over all of K (fprop);
   blockwise  sa (M, K/128) 1x128, sb (G, N/128, K/128) 128x128, each 128-wide K step's partial product scaled
              before it joins the fp32 accumulator (DeepSeek-V3's promotion).
+wgrad (``_grouped_fp8_wgrad_kernel``) groups along K instead: C[g] (M, N) = A[:, g's columns] @ B[:, g's columns].T
+for the experts' transposed copies dY^T (M = out features, K = tokens) and x^T laid side by side, each expert's tokens
+padded with zero columns to a multiple of 128 (so a K step, and a 1x128 scale group, never mixes two experts); modes
+rowwise (each group's own (M, 1) / (N, 1) scales, tensorwise expanded) and blockwise 1x128 x 1x128 (the scales of the
+padded columns' token groups), into a (G, M, N) fp32 result.
+
 Not persistent and without gemm.py's grouped tile order: the expert GEMMs are small and many; a GPU has not timed it.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .quantize_triton import _interpreting
 from .scaling import BLOCK, GemmScaleMode
 
 GROUPED_GEMM_KERNEL_NAME = "_grouped_fp8_gemm_kernel"
+GROUPED_WGRAD_KERNEL_NAME = "_grouped_fp8_wgrad_kernel"
 
 
 @triton.jit
@@ -85,6 +92,44 @@ def _grouped_fp8_gemm_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, ends_ptr, N,
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _grouped_fp8_wgrad_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr, M, N, stride_cg, stride_cm,
+                              stride_sa_g, stride_sa_m, stride_sa_k, stride_sb_g, stride_sb_n, stride_sb_k,
+                              BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+    """C[g] (M, N) = A[:, columns of g] @ B[:, columns of g].T: the groups run along K (wgrad's tokens). Group g's
+    columns start where the groups before it end, each padded with zero columns to a multiple of BLOCK_K (= 128, the
+    1x128 token groups), so no K step mixes two groups."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    group, tile = pid // (tiles_m * tiles_n), pid % (tiles_m * tiles_n)
+    pid_m, pid_n = tile // tiles_n, tile % tiles_n
+    first_step = tl.full([], 0, tl.int32)
+    for g in tl.range(0, group):
+        first_step += tl.cdiv(tl.load(sizes_ptr + g).to(tl.int32), BLOCK_K)
+    steps = tl.cdiv(tl.load(sizes_ptr + group).to(tl.int32), BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in tl.range(first_step, first_step + steps):
+        a = a_desc.load([pid_m * BLOCK_M, step * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, step * BLOCK_K])
+        partial = tl.dot(a, b.T)
+        if BLOCKWISE:  # 1x128 x 1x128: each K step's token group scales its partial product
+            sa = tl.load(sa_ptr + offs_m * stride_sa_m + step * stride_sa_k, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptr + offs_n * stride_sb_n + step * stride_sb_k, mask=n_ok, other=0.0)
+            acc += partial * sa[:, None] * sb[None, :]
+        else:
+            acc += partial
+    if not BLOCKWISE:  # each group's own per-row scales
+        sa = tl.load(sa_ptr + group * stride_sa_g + offs_m * stride_sa_m, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + group * stride_sb_g + offs_n * stride_sb_n, mask=n_ok, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 # The audited non-spilling shape of gemm.py's precise kernel (128x128x128, 8 warps, 3 stages); small tiles in the
 # interpreter, so a test's few rows span several tiles and groups.
 SM90_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=BLOCK, num_warps=8, num_stages=3)
@@ -118,4 +163,26 @@ def grouped_fp8_gemm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
         a_desc, b_desc, out, scale_a, scale_b, group_ends, N, K, G, out.stride(0),
         scale_a.stride(0), scale_a.stride(1), *scale_b.stride(), BLOCKWISE=blockwise, FAST_ACCUM=fast_accum,
         **blocks, **config)
+    return (out, kernel) if forced else out
+
+
+def grouped_fp8_wgrad_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                             group_sizes: torch.Tensor, mode: GemmScaleMode, config: dict | None = None):
+    """The twin's arguments (grouped_gemm.grouped_fp8_wgrad checked them); fp32 (G, M, N). `config` as for
+    grouped_fp8_gemm_triton."""
+    (M, _), N, G = a.shape, b.shape[0], group_sizes.numel()
+    forced = config is not None
+    config = dict(config or default_config(a.device))
+    blocks = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    out = torch.empty((G, M, N), device=a.device, dtype=torch.float32)
+    a_desc = TensorDescriptor.from_tensor(_tma_ready(a), [blocks["BLOCK_M"], blocks["BLOCK_K"]])
+    b_desc = TensorDescriptor.from_tensor(_tma_ready(b), [blocks["BLOCK_N"], blocks["BLOCK_K"]])
+    blockwise = mode == GemmScaleMode.BLOCKWISE_1X128
+    # Blockwise scales are (rows, K / 128) along the padded columns; rowwise ones (G, rows, 1), one set per group.
+    sa_strides = (0, *scale_a.stride()) if blockwise else scale_a.stride()
+    sb_strides = (0, *scale_b.stride()) if blockwise else scale_b.stride()
+    grid = (G * triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
+    kernel = _grouped_fp8_wgrad_kernel[grid](
+        a_desc, b_desc, out, scale_a, scale_b, group_sizes, M, N, out.stride(0), out.stride(1), *sa_strides,
+        *sb_strides, BLOCKWISE=blockwise, **blocks, **config)
     return (out, kernel) if forced else out

@@ -141,13 +141,14 @@ def test_fp8_attention_kernels_are_audited_on_wgmma_without_spills(audit_rows):
 
 
 def test_grouped_fp8_gemm_is_audited_on_wgmma_and_tma_without_spills(audit_rows):
-    """The MoE experts' grouped FP8 GEMM (fprop and dgrad, rowwise and blockwise) compiles for sm_90a at its Hopper
-    config to wgmma with TMA loads, without spills; its fast-accumulation fprop keeps a wgmma group in flight."""
+    """The MoE experts' grouped FP8 GEMMs (fprop and dgrad, rowwise and blockwise; wgrad grouped along the tokens,
+    rowwise and 1x128) compile for sm_90a at their Hopper config to wgmma with TMA loads, without spills; the
+    fast-accumulation fprop keeps a wgmma group in flight."""
     _, report = audit_rows
-    from megafp8_kernels.grouped_gemm_triton import GROUPED_GEMM_KERNEL_NAME
+    from megafp8_kernels.grouped_gemm_triton import GROUPED_GEMM_KERNEL_NAME, GROUPED_WGRAD_KERNEL_NAME
 
-    rows = {r["case"]: r for r in report["rows"] if r["kernel"] == GROUPED_GEMM_KERNEL_NAME}
-    assert set(rows) == {case for case, _, _ in kernel_audit.grouped_gemm_cases()}
+    rows = {r["case"]: r for r in report["rows"] if r["kernel"] in (GROUPED_GEMM_KERNEL_NAME, GROUPED_WGRAD_KERNEL_NAME)}
+    assert set(rows) == {case for case, _, _ in [*kernel_audit.grouped_gemm_cases(), *kernel_audit.grouped_wgrad_cases()]}
     assert all(r.get("wgmma") and r.get("tma_loads") and "error" not in r for r in rows.values()), rows
     assert rows["rowwise fast-accum fprop e4m3xe4m3 bf16"]["sass_wait_in_flight"]
 

@@ -1,5 +1,6 @@
-"""Grouped FP8 GEMM (megafp8_kernels.grouped_gemm): the Triton kernel (interpreter on CPU) against its twin, the twin
-against the loop of plain FP8 GEMMs it stands for (to the bit), and both against fp64.
+"""Grouped FP8 GEMMs (megafp8_kernels.grouped_gemm: fprop/dgrad grouped by rows, wgrad grouped by columns): the Triton
+kernels (interpreter on CPU) against their twins, the twins against the loop of plain FP8 GEMMs they stand for (to the
+bit), and both against fp64.
 
 Groups of uneven sizes, empty ones among them, none a multiple of the tiles: a tile's loads reach into the next group's
 rows of A and B, which must never reach the output. SQNR floors as in test_kernels_gemm.py."""
@@ -11,7 +12,7 @@ import torch
 
 from fp8_testing import sqnr_db
 from megafp8_kernels import E4M3, E5M2, GemmScaleMode, fp8_gemm, quantize
-from megafp8_kernels.grouped_gemm import grouped_fp8_gemm
+from megafp8_kernels.grouped_gemm import columns_side_by_side, grouped_fp8_gemm, grouped_fp8_wgrad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = [GemmScaleMode.ROWWISE, GemmScaleMode.BLOCKWISE]
@@ -110,3 +111,58 @@ def test_bad_arguments_say_what_to_pass(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         grouped_fp8_gemm(args["a"], args["b"], args["sa"], args["sb"], args["ends"], layouts=args["layouts"],
                          fast_accum=args["fast_accum"])
+
+
+def _wgrad_operands(sizes, M, N, mode, seed):
+    """Each group's transposed copies dY_g^T (M, size) and X_g^T (N, size) (wgrad's operands), and the values."""
+    g = torch.Generator().manual_seed(seed)
+    dys = [torch.randn(n, M, generator=g) for n in sizes]
+    xs = [torch.randn(n, N, generator=g) for n in sizes]
+    gran = mode.operand_granularities[0]
+    qd = [quantize(d, E5M2.dtype, gran, transpose=True, backend="reference") if len(d) else None for d in dys]
+    qx = [quantize(x, E4M3.dtype, gran, transpose=True, backend="reference") if len(x) else None for x in xs]
+    return dys, xs, qd, qx
+
+
+def _side_by_side(qs, sizes, M, mode, fp8_dtype):
+    """The grouped operand: payloads side by side (padded), scales as the mode wants them."""
+    empty = lambda: torch.zeros(M, 0, dtype=fp8_dtype)  # noqa: E731
+    data = columns_side_by_side([q.data_t if q is not None else empty() for q in qs])
+    if mode == GemmScaleMode.ROWWISE:
+        scales = torch.stack([q.scale_inv_t if q is not None else torch.ones(M, 1) for q in qs])
+    else:
+        scales = torch.cat([q.scale_inv_t for q in qs if q is not None], dim=1)
+    return data, scales
+
+
+@pytest.mark.parametrize("mode", [GemmScaleMode.ROWWISE, GemmScaleMode.BLOCKWISE_1X128], ids=lambda m: m.value)
+def test_grouped_wgrad_twin_is_the_loop_and_triton_matches_it(mode):
+    sizes, M, N = [37, 0, 200, 16, 130], 72, 40  # 200 and 130 tokens: two 1x128 groups each, the second partial
+    dys, xs, qd, qx = _wgrad_operands(sizes, M, N, mode, 7)
+    a, sa = _side_by_side(qd, sizes, M, mode, E5M2.dtype)
+    b, sb = _side_by_side(qx, sizes, N, mode, E4M3.dtype)
+    assert a.shape[1] == 128 * (1 + 0 + 2 + 1 + 2)
+    counts = torch.tensor(sizes, dtype=torch.int32)
+    loop = torch.stack([fp8_gemm(d.data_t, x.data_t, d.scale_inv_t, x.scale_inv_t, layouts=mode.operand_layouts,
+                                 backend="reference") if d is not None else torch.zeros(M, N)
+                        for d, x in zip(qd, qx)])
+    twin = grouped_fp8_wgrad(a, b, sa, sb, counts, layouts=mode.operand_layouts, backend="reference")
+    assert torch.equal(twin, loop)
+    got = grouped_fp8_wgrad(*(t.to(DEVICE) for t in (a, b, sa, sb, counts)), layouts=mode.operand_layouts,
+                            backend="triton")
+    assert got.shape == (len(sizes), M, N) and torch.equal(got[1].cpu(), torch.zeros(M, N))
+    assert sqnr_db(got.cpu(), loop) >= 50.0
+    exact = torch.stack([d.double().t() @ x.double() for d, x in zip(dys, xs)])
+    assert sqnr_db(got.cpu(), exact) >= 20.0  # E5M2 x E4M3 products
+
+
+def test_grouped_wgrad_refuses_unpadded_columns_and_wrong_scales():
+    mode = GemmScaleMode.BLOCKWISE_1X128
+    _, _, qd, qx = _wgrad_operands([20, 30], 16, 8, mode, 8)
+    a, sa = _side_by_side(qd, [20, 30], 16, mode, E5M2.dtype)
+    b, sb = _side_by_side(qx, [20, 30], 8, mode, E4M3.dtype)
+    counts = torch.tensor([20, 30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="padded to a multiple of 128"):
+        grouped_fp8_wgrad(a[:, :200], b[:, :200], sa, sb, counts, layouts=mode.operand_layouts)
+    with pytest.raises(ValueError, match=re.escape("scale_b of a blockwise_1x128 grouped wgrad must be a float32 (8, 2)")):
+        grouped_fp8_wgrad(a, b, sa, sb[:, :1], counts, layouts=mode.operand_layouts)

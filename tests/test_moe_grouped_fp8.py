@@ -1,7 +1,7 @@
-"""--moe-grouped-gemm with FP8 experts (megafp8.fp8.grouped_linear_function): fprop and dgrad as grouped FP8 GEMMs
-must give the loop of FP8 linears' output, gradients and scaling state: to the bit on CPU (the grouped GEMM's twin is
-the loop's GEMMs), within the kernels' SQNR with the Triton kernel (interpreter). Recipes without a grouped kernel keep
-the loop."""
+"""--moe-grouped-gemm with FP8 experts (megafp8.fp8.grouped_linear_function): fprop, dgrad and wgrad as grouped FP8
+GEMMs must give the loop of FP8 linears' output, gradients and scaling state: to the bit on CPU (the grouped GEMMs'
+twins are the loop's GEMMs), within the kernels' SQNR with the Triton kernels (interpreter). Recipes without grouped
+kernels keep the loop."""
 import pytest
 import torch
 
@@ -44,14 +44,17 @@ def _run(layer: MoELayer, steps: int = 2, seed: int = 1):
 
 
 class _CountGroupedGemms:
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        real = grouped_linear_function.grouped_fp8_gemm
+    """Counts the grouped GEMM calls (fprop and dgrad: ``calls``; wgrad: ``wgrad_calls``)."""
 
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
-        monkeypatch.setattr(grouped_linear_function, "grouped_fp8_gemm", counted)
+    def __init__(self, monkeypatch):
+        self.calls = self.wgrad_calls = 0
+        for name, counter in (("grouped_fp8_gemm", "calls"), ("grouped_fp8_wgrad", "wgrad_calls")):
+            real = getattr(grouped_linear_function, name)
+
+            def counted(*args, real=real, counter=counter, **kwargs):
+                setattr(self, counter, getattr(self, counter) + 1)
+                return real(*args, **kwargs)
+            monkeypatch.setattr(grouped_linear_function, name, counted)
 
 
 @pytest.mark.parametrize("name", GROUPED)
@@ -62,7 +65,7 @@ def test_grouped_fp8_experts_are_the_loop_to_the_bit_on_cpu(name, monkeypatch):
         enable_fp8_telemetry(layer)
     counter = _CountGroupedGemms(monkeypatch)
     expected, got = _run(loop), _run(grouped)
-    assert counter.calls == 2 * 2 * 2  # two steps x (fc1, fc2) x (fprop, dgrad): the grouped path ran
+    assert (counter.calls, counter.wgrad_calls) == (2 * 2 * 2, 2 * 2)  # steps x (fc1, fc2) x (fprop, dgrad) / wgrad
     assert any(n % 16 for n in grouped.stats["tokens_per_expert"].tolist())  # ragged loads, padded as the loop pads
     for want, have in zip(expected[:2], got[:2]):
         assert torch.equal(want, have)
@@ -94,7 +97,7 @@ def test_recipes_without_a_grouped_kernel_keep_the_loop(scaling, monkeypatch):
     counter = _CountGroupedGemms(monkeypatch)
     layer = _layer(Fp8Recipe(scaling=scaling), True)
     _run(layer, steps=1)
-    assert counter.calls == 0
+    assert counter.calls == counter.wgrad_calls == 0
     experts = list(layer.experts.local_experts.values())
     assert layer._grouped_fp8_recipe(experts) is None
 

@@ -194,8 +194,8 @@ def test_the_fp8_zero_paths_work_for_experts_over_their_expert_data_parallel_gro
         assert abs(a["lm_loss"] - e["lm_loss"]) <= 1e-5 * e["lm_loss"], (a, e)
     assert all(r["comm_bytes"]["dp_param_allgather"] < p["comm_bytes"]["dp_param_allgather"]
                for r, p in zip(gathered, plain))  # FP8 bytes on the wire
-    # --moe-grouped-gemm on the gathered FP8 weights: fprop and dgrad as grouped FP8 GEMMs, whose CPU twin is the
-    # loop's GEMMs on the same operands: the same run to the bit.
+    # --moe-grouped-gemm on the gathered FP8 weights: fprop, dgrad and wgrad as grouped FP8 GEMMs, whose CPU twins are
+    # the loop's GEMMs on the same operands: the same run to the bit.
     grouped = _train(tmp_path, "ep2-fp8-param-gather-grouped", 4, *ep2, "--fp8-param-gather", "--moe-grouped-gemm")
     assert [(r["lm_loss"], r["grad_norm"], r["moe_tokens_per_expert"]) for r in grouped] == [
         (r["lm_loss"], r["grad_norm"], r["moe_tokens_per_expert"]) for r in gathered]

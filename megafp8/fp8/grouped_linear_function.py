@@ -1,19 +1,22 @@
-"""The local experts' FP8 linears as grouped GEMMs (``--moe-grouped-gemm`` with FP8 experts): fprop and dgrad are one
-grouped FP8 GEMM each over every expert (megafp8_kernels.grouped_gemm), wgrad one FP8 GEMM per expert.
+"""The local experts' FP8 linears as grouped GEMMs (``--moe-grouped-gemm`` with FP8 experts): fprop, dgrad and wgrad
+are one grouped FP8 GEMM each over every local expert (megafp8_kernels.grouped_gemm).
 
 Each expert's operands are quantized by its own linear, exactly as the loop of linear_function's op does: its
 recipe's quantizers, its delayed-scaling states, its cached (or ZeRO-injected) FP8 weight, its telemetry counts (so
 the saturation guard watches every expert as in the loop). Only the GEMMs are grouped: the experts' FP8 rows
-concatenated (their scales expanded to rows where the recipe scales a whole tensor), their FP8 weights stacked.
+concatenated (their scales expanded to rows where the recipe scales a whole tensor), their FP8 weights stacked, their
+transposed copies laid side by side for wgrad.
 
-    fprop  Y_e  = X_e  @ W_e^T     one grouped GEMM (rows of expert e x its weight)
-    dgrad  dX_e = dY_e @ W_e       one grouped GEMM (its weight's transposed copy)
-    wgrad  dW_e = dY_e^T @ X_e     a GEMM per expert (K is the expert's rows: a grouping along K is not built)
+    fprop  Y_e  = X_e  @ W_e^T     grouped by rows (rows of expert e x its weight)
+    dgrad  dX_e = dY_e @ W_e       grouped by rows (its weight's transposed copy)
+    wgrad  dW_e = dY_e^T @ X_e     grouped along K (the expert's tokens, each padded to 128 zero columns), into one
+                                   (E, out, in) fp32 result, then added to each weight's main_grad: a transient the
+                                   size of the experts' fp32 gradients, where the loop accumulates inside each GEMM
 
-It runs the recipes whose two GEMMs the grouped kernel has (tensorwise, delayed, rowwise, blockwise); the others
+It runs the recipes whose three GEMMs the grouped kernels have (tensorwise, delayed, rowwise, blockwise); the others
 (MX, NVFP4), Smooth-SwiGLU's per-input weight, a zero-bubble schedule's deferred wgrad, and the probes that read a
 linear's input in high precision (kurtosis, the FP4 grad-noise probe, the forced-overflow hook) keep the loop
-(``grouped_fp8_ready``). On CPU the grouped GEMM's twin is the loop's own GEMMs, so both paths give the same bits.
+(``grouped_fp8_ready``). On CPU the grouped GEMMs' twins are the loop's own GEMMs, so both paths give the same bits.
 """
 from __future__ import annotations
 
@@ -24,26 +27,27 @@ import torch
 
 from megafp8_kernels import GemmScaleMode
 from megafp8_kernels.formats import PER_ROW, PER_TENSOR
-from megafp8_kernels.grouped_gemm import GROUPED_MODES, grouped_fp8_gemm
+from megafp8_kernels.grouped_gemm import (GROUPED_MODES, GROUPED_WGRAD_MODES, columns_side_by_side, grouped_fp8_gemm,
+                                          grouped_fp8_wgrad)
 
 from .autocast import resolve_recipe
 from .linear import Fp8GemmModule
-from .linear_function import logical_shape, quantize_operand, weight_gradient
+from .linear_function import quantize_operand, route_grad
 from .recipe import Fp8Recipe
 from .tensor import Float8Tensor
 
 
-def _grouped_mode(recipe: Fp8Recipe, role: str) -> GemmScaleMode | None:
-    """The grouped kernel's mode for ``role`` (input: fprop, grad_output: dgrad) times the weight, or None."""
-    a, w = recipe.quantizer(role), recipe.quantizer("weight")
-    if a.format.bits != 8 or w.format.bits != 8:
+def _grouped_mode(recipe: Fp8Recipe, role_a: str, role_b: str, modes: tuple) -> GemmScaleMode | None:
+    """The grouped kernels' mode (one of ``modes``) for the GEMM of these two roles' operands, or None."""
+    a, b = recipe.quantizer(role_a), recipe.quantizer(role_b)
+    if a.format.bits != 8 or b.format.bits != 8 or (a.layout == PER_TENSOR) != (b.layout == PER_TENSOR):
         return None
-    layouts = tuple(PER_ROW if q.layout == PER_TENSOR else q.layout for q in (a, w))  # scalars expand to rows
+    layouts = tuple(PER_ROW if q.layout == PER_TENSOR else q.layout for q in (a, b))  # scalars expand to rows
     try:
         mode = GemmScaleMode.declared(*layouts)
     except ValueError:
         return None
-    return mode if mode in GROUPED_MODES and (a.layout == PER_TENSOR) == (w.layout == PER_TENSOR) else None
+    return mode if mode in modes else None
 
 
 def grouped_fp8_ready(linears: list[Fp8GemmModule]) -> Fp8Recipe | None:
@@ -54,7 +58,9 @@ def grouped_fp8_ready(linears: list[Fp8GemmModule]) -> Fp8Recipe | None:
     (recipe,) = recipes
     if recipe is None or recipe.fprop_high_precision or recipe.is_microscaled:
         return None
-    if _grouped_mode(recipe, "input") is None or _grouped_mode(recipe, "grad_output") is None:
+    gemms = (("input", "weight", GROUPED_MODES), ("grad_output", "weight", GROUPED_MODES),
+             ("grad_output", "input", GROUPED_WGRAD_MODES))  # fprop, dgrad, wgrad (the transposed copies)
+    if any(_grouped_mode(recipe, *gemm) is None for gemm in gemms):
         return None
     if any(linear.kurtosis_enabled or linear.grad_noise_probe is not None or linear.forced_overflow_factor is not None
            or linear.wgrad_deferral is not None or linear.smooths_input or getattr(linear, "bias", None) is not None
@@ -77,6 +83,19 @@ def _stacked_operand(parts: list[Float8Tensor]) -> tuple[torch.Tensor, torch.Ten
     if parts[0].layout == PER_TENSOR:
         return data, torch.stack([p.scale_inv.reshape(1, 1).expand(p.shape[0], 1) for p in parts])
     return data, torch.stack([p.scale_inv for p in parts])
+
+
+def _side_by_side_operand(parts: list[Float8Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' transposed copies side by side for the grouped wgrad (each padded to 128 tokens), and their scales:
+    each expert's own per-row ones stacked (a tensor's one scale repeated), or the 1x128 token groups' concatenated
+    along the padded tokens."""
+    copies = [p.col_major() for p in parts]
+    data = columns_side_by_side([payload for payload, _ in copies])
+    if parts[0].layout == PER_TENSOR:
+        return data, torch.stack([scale.reshape(1, 1).expand(data.shape[0], 1) for _, scale in copies])
+    if parts[0].layout == PER_ROW:
+        return data, torch.stack([scale for _, scale in copies])
+    return data, torch.cat([scale for _, scale in copies], dim=1)
 
 
 def _grouped_gemm(rows: list[Float8Tensor], weights: list[Float8Tensor], ends: torch.Tensor, out_dtype: torch.dtype,
@@ -131,10 +150,14 @@ class _GroupedFp8Linear(torch.autograd.Function):
         grad_weights = [None] * len(weights)
         if needs_wgrad:
             x_format, x_layout = ctx.x_kind
-            for e, (dy_e, weight) in enumerate(zip(dy_parts, weights)):
-                data_t, scale_t = x_t[2 * e], x_t[2 * e + 1]
-                x_t_operand = Float8Tensor(logical_shape(data_t, x_format), x_format, x_layout, data_t, scale_t)
-                grad_weights[e] = weight_gradient(dy_e.t(), x_t_operand, weight, None)
+            x_parts = [Float8Tensor((n, x_t[2 * e].shape[0]), x_format, x_layout, data_t=x_t[2 * e],
+                                    scale_inv_t=x_t[2 * e + 1]) for e, n in enumerate(args.sizes)]
+            dy_t, dy_scale = _side_by_side_operand(dy_parts)
+            x_t_all, x_scale = _side_by_side_operand(x_parts)
+            layouts = tuple(PER_ROW if p.layout == PER_TENSOR else p.layout for p in (dy_parts[0], x_parts[0]))
+            sizes = torch.tensor(args.sizes, dtype=torch.int32, device=dy.device)
+            grads = grouped_fp8_wgrad(dy_t, x_t_all, dy_scale, x_scale, sizes, layouts=layouts)
+            grad_weights = [route_grad(weight, grad) for weight, grad in zip(weights, grads)]
         return grad_rows, None, *grad_weights
 
 

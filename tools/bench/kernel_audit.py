@@ -360,7 +360,7 @@ def case_families(quick: bool) -> list[str]:
     families += ["optimizer"] * len(list(optimizer_cases(quick)))
     families += [f"training {family}" for _, family, _ in training_cases(quick)]
     families += ["attention"] * len(list(attention_cases(quick)))
-    families += ["grouped gemm"] * len(GROUPED_GEMM_CASES)
+    families += ["grouped gemm"] * (len(GROUPED_GEMM_CASES) + len(GROUPED_WGRAD_CASES))
     return families
 
 
@@ -629,6 +629,31 @@ def grouped_gemm_cases():
             grouped_fp8_gemm_triton(a, b, sa, sb, ends, mode, torch.bfloat16, fast, config=SM90_CONFIG)
 
 
+GROUPED_WGRAD_CASES = (("rowwise wgrad e5m2xe4m3 fp32", "rowwise"),
+                       ("blockwise_1x128 wgrad e5m2xe4m3 fp32", "blockwise_1x128"))
+
+
+def grouped_wgrad_cases():
+    """(case label, kernel name, call) of the grouped wgrad (the same 8 experts' dW = dY^T X, grouped along their
+    tokens, each padded to 128), E5M2 gradients times E4M3 inputs into fp32, rowwise and 1x128 x 1x128."""
+    import torch
+
+    from megafp8_kernels import GemmScaleMode
+    from megafp8_kernels.grouped_gemm_triton import GROUPED_WGRAD_KERNEL_NAME, SM90_CONFIG, grouped_fp8_wgrad_triton
+
+    sizes = torch.tensor([90, 160, 0, 150, 210, 90, 180, 120], dtype=torch.int32)
+    M, N, K = 512, 1024, 128 * 11  # K: the tokens, each expert's padded to 128
+    a, b = torch.zeros(M, K, dtype=torch.float8_e5m2), torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    for label, mode_name in GROUPED_WGRAD_CASES:
+        mode = GemmScaleMode(mode_name)
+        if mode is GemmScaleMode.ROWWISE:
+            sa, sb = torch.ones(8, M, 1), torch.ones(8, N, 1)
+        else:
+            sa, sb = torch.ones(M, K // 128), torch.ones(N, K // 128)
+        yield label, GROUPED_WGRAD_KERNEL_NAME, lambda sa=sa, sb=sb, mode=mode: \
+            grouped_fp8_wgrad_triton(a, b, sa, sb, sizes, mode, config=SM90_CONFIG)
+
+
 def grouped_gemm_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
                       first: int = 0) -> list[dict]:
     """One row per grouped FP8 GEMM case, labelled with its Hopper tile."""
@@ -637,7 +662,7 @@ def grouped_gemm_rows(ptxas: str | None, failures: list[str], mine: Callable[[in
     def launch(case: str, kernel) -> str:
         return f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
 
-    return compiled_case_rows(grouped_gemm_cases(), launch, ptxas, failures, mine, first)
+    return compiled_case_rows([*grouped_gemm_cases(), *grouped_wgrad_cases()], launch, ptxas, failures, mine, first)
 
 
 def attention_rows(ptxas: str | None, failures: list[str], mine: Callable[[int], bool] = lambda index: True,
