@@ -61,9 +61,11 @@ def add_moe_flags(g: argparse._ArgumentGroup) -> None:
                         "rank and back) or allgather (every rank gathers every token and reduce-scatters the sums: "
                         "fixed-size collectives, for small EP); Megatron's flex dispatcher is not built")
     g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="the local experts' linears as one grouped GEMM each (torch._grouped_mm: fp32/bf16 on CPU, "
-                        "bf16 on Hopper; no host read of the loads without EP) where the experts run in high "
-                        "precision at ETP 1 with a gated activation; FP8/FP4 experts run the loop of FP8 GEMMs")
+                   help="the local experts' linears as grouped GEMMs at ETP 1 with a gated activation: high-precision "
+                        "experts through torch._grouped_mm (fp32/bf16 on CPU, bf16 on Hopper; no host read of the "
+                        "loads without EP), FP8 experts (tensorwise, delayed, rowwise, blockwise; SwiGLU) through "
+                        "megafp8's grouped FP8 GEMMs (fprop, dgrad, wgrad: one kernel each); MX/NVFP4 experts and "
+                        "Smooth-SwiGLU run the loop")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad every expert's input to its capacity: static shapes, no host read of the loads")
 
