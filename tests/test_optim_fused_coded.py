@@ -15,9 +15,9 @@ import triton.language as tl
 from distributed_testing import run_distributed
 from optim_testing import build, make_ddp, tiny_config, train_step
 from test_optim_fused_step import KERNEL_DEVICE, PRESETS, assert_same_bits, bits, interpreted
-from megafp8.optim import DistributedOptimizer, reproducible_math
-from megafp8.optim.fused_adamw_coded import (_counter_uniform, _e4m3_bits, _stochastic_round_to_fp16,
-                                             publish_fp16_master_triton)
+from megafp8.optim import DistributedOptimizer, reproducible_math, reproducible_math_triton
+from megafp8.optim.fused_adamw_coded import publish_fp16_master_triton
+from megafp8.optim.fused_adamw_coded_triton import _counter_uniform, _e4m3_bits, _stochastic_round_to_fp16
 from megafp8.optim.state_codec import GROUP
 from megafp8.optim.stochastic_rounding import counter_uniform_at, stochastic_round_to_fp16
 from megafp8.parallel.parallel_state import ParallelState
@@ -42,9 +42,9 @@ def _rounding_kernel(x_ptr, key_ptr, index_ptr, uniform_ptr, out_ptr, n, BLOCK: 
 def _log_exp_kernel(x_ptr, t_ptr, log_ptr, exp_ptr, consts_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
-    log = reproducible_math.log2_fp64(tl.load(x_ptr + i, mask=inside, other=1.0), consts_ptr)
+    log = reproducible_math_triton.log2_fp64(tl.load(x_ptr + i, mask=inside, other=1.0), consts_ptr)
     tl.store(log_ptr + i, log, mask=inside)
-    exp = reproducible_math.exp2_fp64(tl.load(t_ptr + i, mask=inside, other=0.0), consts_ptr)
+    exp = reproducible_math_triton.exp2_fp64(tl.load(t_ptr + i, mask=inside, other=0.0), consts_ptr)
     tl.store(exp_ptr + i, exp, mask=inside)
 
 

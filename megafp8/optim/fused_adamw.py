@@ -1,6 +1,8 @@
 """The optimizer step as one Triton kernel launch per bucket shard (fp32 master weights and fp32 moments), beside
 its torch twin with the same signature (the other presets: megafp8.optim.fused_adamw_coded).
 
+The kernels are in fused_adamw_triton.py, imported at the first launch (not at every process's start).
+
 Why here and not in ``kernels/``: the kernel speaks the optimizer's storage layout (flat shards, 128-element
 groups with a per-group weight-decay table, the keep-on-non-finite rule), which ``kernels/`` must not know; its
 arguments are still plain tensors and numbers (no process groups, no models).
@@ -38,16 +40,13 @@ both paths (torch's own ``sum`` order depends on the CPU's vector width).
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from megafp8.optim.state_codec import GROUP
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a dependency; the torch twin needs none of it
-    triton = None
-AVAILABLE = triton is not None
+AVAILABLE = importlib.util.find_spec("triton") is not None  # the kernels are imported at the first launch
 
 # Elements per program: a GPU block, or (under the interpreter, one Python iteration per program) a large one.
 GPU_BLOCK, INTERPRETER_BLOCK = 1024, 1 << 16
@@ -56,6 +55,11 @@ LAUNCHES_PER_SHARD = 2
 
 def _block(device: torch.device) -> int:
     return GPU_BLOCK if device.type == "cuda" else INTERPRETER_BLOCK
+
+
+def cdiv(a: int, b: int) -> int:
+    """Launch grids: ceil(a / b) without importing Triton (triton.cdiv)."""
+    return -(-a // b)
 
 
 # ---- torch twins ---------------------------------------------------------------------------------
@@ -100,66 +104,15 @@ def adamw_fp32_torch(grads: torch.Tensor, grad_lo: int, master: torch.Tensor, ex
         stored.copy_(torch.where(finite, new, stored))
 
 
-# ---- Triton kernels ------------------------------------------------------------------------------
-if triton is not None:
-
-    @triton.jit
-    def _grad_group_squares_kernel(g_ptr, grad_lo, out_ptr, group_lo, n_groups, ROWS: tl.constexpr,
-                                   GROUP_SIZE: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, GROUP_SIZE)
-        inside = rows < n_groups
-        g = tl.load(g_ptr + grad_lo + rows[:, None] * GROUP_SIZE + cols[None, :], mask=inside[:, None], other=0.0)
-        g = g.to(tl.float32).to(tl.float64)
-        x = g * g  # the twin's tree (GROUP_SIZE = 128): element k of one half plus element k of the other, 7 levels
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 64)), axis=1)
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 32)), axis=1)
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 16)), axis=1)
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 8)), axis=1)
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 4)), axis=1)
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 2)), axis=1)
-        x = tl.sum(tl.reshape(x, (ROWS, 2, 1)), axis=1)
-        tl.store(out_ptr + group_lo + rows, tl.reshape(x, (ROWS,)), mask=inside)
-
-    @triton.jit
-    def _adamw_fp32_kernel(g_ptr, grad_lo, p_ptr, m_ptr, v_ptr, start, n, decay_ptr, clip_ptr, finite_ptr,
-                           step_size_ptr, bc2_ptr, decay_factor, lerp_weight, beta2, one_minus_beta2, eps,
-                           HAS_DECAY: tl.constexpr, HAS_CLIP: tl.constexpr, SMALL_WEIGHT: tl.constexpr,
-                           BLOCK: tl.constexpr, GROUP_SIZE: tl.constexpr):
-        local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = local < n
-        offs = start + local
-        g = tl.load(g_ptr + grad_lo + local, mask=inside, other=0.0).to(tl.float32)
-        if HAS_CLIP:
-            g = g * tl.load(clip_ptr)
-        p = tl.load(p_ptr + offs, mask=inside, other=0.0)
-        m = tl.load(m_ptr + offs, mask=inside, other=0.0)
-        v = tl.load(v_ptr + offs, mask=inside, other=0.0)
-        new_p = p
-        if HAS_DECAY:
-            decays = tl.load(decay_ptr + offs // GROUP_SIZE, mask=inside, other=0) != 0
-            new_p = p * tl.where(decays, decay_factor, 1.0)
-        diff = g - m
-        if SMALL_WEIGHT:  # torch's lerp: fma(w, end - self, self) for |w| < 0.5, else fma(w - 1, end - self, end)
-            new_m = tl.fma(diff, lerp_weight, m)
-        else:
-            new_m = tl.fma(diff, lerp_weight - 1.0, g)
-        new_v = tl.fma(g * one_minus_beta2, g, v * beta2)
-        denom = tl.math.div_rn(tl.math.sqrt_rn(new_v), tl.load(bc2_ptr)) + eps
-        new_p = new_p + tl.math.div_rn(new_m * tl.load(step_size_ptr), denom)
-        finite = tl.load(finite_ptr) != 0
-        tl.store(m_ptr + offs, tl.where(finite, new_m, m), mask=inside)
-        tl.store(v_ptr + offs, tl.where(finite, new_v, v), mask=inside)
-        tl.store(p_ptr + offs, tl.where(finite, new_p, p), mask=inside)
-
-
 def grad_group_squares_triton(grads: torch.Tensor, grad_lo: int, out: torch.Tensor, group_lo: int, n: int) -> None:
     """``grad_group_squares_torch`` in one launch."""
     assert GROUP == 128, "the kernel's tree is written out for 128-element groups"
     rows = _block(grads.device) // GROUP
     groups = n // GROUP
-    _grad_group_squares_kernel[(triton.cdiv(groups, rows),)](grads, grad_lo, out, group_lo, groups, ROWS=rows,
-                                                             GROUP_SIZE=GROUP, enable_fp_fusion=False)
+    from megafp8.optim import fused_adamw_triton  # Triton is imported only where it is used
+
+    fused_adamw_triton._grad_group_squares_kernel[(cdiv(groups, rows),)](
+        grads, grad_lo, out, group_lo, groups, ROWS=rows, GROUP_SIZE=GROUP, enable_fp_fusion=False)
 
 
 def adamw_fp32_triton(grads: torch.Tensor, grad_lo: int, master: torch.Tensor, exp_avg: torch.Tensor,
@@ -170,7 +123,9 @@ def adamw_fp32_triton(grads: torch.Tensor, grad_lo: int, master: torch.Tensor, e
     """``adamw_fp32_torch`` in one launch."""
     block = _block(master.device)
     weight = 1 - beta1
-    _adamw_fp32_kernel[(triton.cdiv(n, block),)](
+    from megafp8.optim import fused_adamw_triton
+
+    fused_adamw_triton._adamw_fp32_kernel[(cdiv(n, block),)](
         grads, grad_lo, master, exp_avg, exp_avg_sq, start, n,
         finite if group_decay is None else group_decay, finite if clip is None else clip, finite, step_size,
         bias_correction2_sqrt, decay_factor, weight, beta2, 1 - beta2, eps,

@@ -14,8 +14,8 @@ rounded ones but in rare ties of a last bit: accuracy is fp32's, reproducibility
     exp2(t) = Q(f) * 2^n         n = floor(t + 1/2), f = t - n in [-1/2, 1/2], for t in [-1022, 1023]
                                  (Q: the Taylor series of 2^f, 10 terms)
 
-Polynomials run by Horner's rule, a multiply then an add per term. The Triton versions read their coefficients from
-``constants(device)``: a Python float literal in a Triton kernel is an fp32 constant.
+Polynomials run by Horner's rule, a multiply then an add per term. The Triton versions (reproducible_math_triton.py)
+read their coefficients from ``constants(device)``: a Python float literal in a Triton kernel is an fp32 constant.
 """
 from __future__ import annotations
 
@@ -23,11 +23,6 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the torch versions need none of it
-    triton = None
 
 LOG2_COEFFS = tuple(2 / math.log(2) / (2 * i + 1) for i in range(7))
 EXP2_COEFFS = tuple(math.log(2) ** i / math.factorial(i) for i in range(10))
@@ -90,32 +85,3 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     corrected = y + ((x - p) - e) / (2.0 * y)  # x - p is exact (Sterbenz: p is within a factor 2 of x)
     return torch.where((x >= 2.0 ** -960) & torch.isfinite(y), corrected, y)
 
-
-if triton is not None:
-    _SQRT_HALF_BITS = tl.constexpr(SQRT_HALF_BITS)
-    _LOG2_AT, _LOG2_TERMS = tl.constexpr(LOG2_AT), tl.constexpr(len(LOG2_COEFFS))
-    _EXP2_AT, _EXP2_TERMS = tl.constexpr(EXP2_AT), tl.constexpr(len(EXP2_COEFFS))
-
-    @triton.jit
-    def log2_fp64(x, consts_ptr):
-        """``log2_`` on an fp64 tile; ``consts_ptr``: ``constants(device)``."""
-        bits = x.to(tl.int64, bitcast=True)
-        e = (bits - _SQRT_HALF_BITS) >> 52
-        m = (bits - (e << 52)).to(tl.float64, bitcast=True)
-        f = m - 1.0
-        s = f / (f + 2.0)  # fp64 division is IEEE in Triton (div.rn.f64); div_rn is fp32's
-        z = s * s
-        p = z * tl.load(consts_ptr + _LOG2_AT + _LOG2_TERMS - 1) + tl.load(consts_ptr + _LOG2_AT + _LOG2_TERMS - 2)
-        for i in tl.static_range(_LOG2_TERMS - 3, -1, -1):
-            p = p * z + tl.load(consts_ptr + _LOG2_AT + i)
-        return s * p + e.to(tl.float64)
-
-    @triton.jit
-    def exp2_fp64(t, consts_ptr):
-        """``exp2_`` on an fp64 tile; ``consts_ptr``: ``constants(device)``."""
-        n = tl.floor(t + 0.5)
-        f = t - n
-        q = f * tl.load(consts_ptr + _EXP2_AT + _EXP2_TERMS - 1) + tl.load(consts_ptr + _EXP2_AT + _EXP2_TERMS - 2)
-        for i in tl.static_range(_EXP2_TERMS - 3, -1, -1):
-            q = q * f + tl.load(consts_ptr + _EXP2_AT + i)
-        return q * ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
