@@ -73,6 +73,9 @@ LAYOUTS = {
                            "--sequence-parallel", *ZERO]),
     "ep2-pp2-1f1b": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                          "--pipeline-schedule", "1f1b", *ZERO]),
+    "ep2-tp2-sp-pp2-zbv": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                               "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "zbv", *ZERO]),
     "ep2-cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2", *ZERO]),
     # Megatron-Core's allgather dispatcher: every token to every EP rank, the per-token sums reduce-scattered back
     "ep4-tp2-sp-dp2-allgather": (4, ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
