@@ -1,7 +1,9 @@
-"""grouped_fp8_gemm: one FP8 GEMM per group of rows, every group in one call (an MoE layer's local experts: fprop,
-dgrad); grouped_fp8_wgrad: one per group of columns (their wgrad, grouped along the tokens). Torch custom ops
-(megafp8::grouped_fp8_gemm, megafp8::grouped_fp8_wgrad) like fp8_gemm: Triton on CUDA (grouped_gemm_triton.py), the
-twins on CPU (grouped_gemm_reference.py), the same backend choice (dispatch.resolve_backend)."""
+"""Grouped FP8 GEMMs, one call for every local expert of an MoE layer: by rows (fprop, dgrad) and by columns (wgrad).
+
+``grouped_fp8_gemm`` runs one FP8 GEMM per group of rows, ``grouped_fp8_wgrad`` one per group of columns (the experts'
+wgrad, grouped along the tokens). Both are torch custom ops (megafp8::grouped_fp8_gemm, megafp8::grouped_fp8_wgrad)
+like fp8_gemm: Triton on CUDA (grouped_gemm_triton.py), the twins on CPU (grouped_gemm_reference.py), the same backend
+choice (dispatch.resolve_backend)."""
 from __future__ import annotations
 
 import torch
@@ -77,7 +79,6 @@ def grouped_fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, sc
     layout_a, layout_b = (scale_layout(layout).name for layout in mode.operand_layouts)
     return torch.ops.megafp8.grouped_fp8_gemm(a, b, scale_a, scale_b, group_ends, layout_a, layout_b, out_dtype,
                                               fast_accum, backend or "")
-
 
 
 def check_grouped_wgrad_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

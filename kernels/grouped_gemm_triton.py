@@ -1,5 +1,6 @@
-"""Triton grouped FP8 GEMM: C[rows of group g] = A[rows of g] @ B[g].T for every group in one launch (the local experts'
-linears of an MoE layer). Twin: grouped_gemm_reference.py (a loop of fp8_gemm_reference).
+"""Triton grouped FP8 GEMMs: every local expert of an MoE layer in one launch (twin: grouped_gemm_reference.py).
+
+fprop and dgrad (``_grouped_fp8_gemm_kernel``): C[rows of group g] = A[rows of g] @ B[g].T.
 
 A (M, K) holds the groups' rows one after another (group g: rows ``[ends[g-1], ends[g])``, ends on the device, never
 read on the host); B (G, N, K) is every group's K-major operand, read as one (G N, K) tensor by TMA. Each program owns
@@ -143,6 +144,15 @@ def default_config(device: torch.device) -> dict:
     return SM90_CONFIG if torch.cuda.get_device_capability(device)[0] == 9 else FALLBACK_CONFIG
 
 
+def _blocks(config: dict) -> dict:
+    """The tile sizes, taken out of a launch config. BLOCK_K is 128 always: one 1x128 scale group per K step, and the
+    wgrad's groups are padded to 128 columns."""
+    blocks = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    if blocks["BLOCK_K"] != BLOCK:
+        raise ValueError(f"the grouped FP8 GEMMs run BLOCK_K = {BLOCK}, got {blocks['BLOCK_K']}")
+    return blocks
+
+
 def grouped_fp8_gemm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                             group_ends: torch.Tensor, mode: GemmScaleMode, out_dtype: torch.dtype = torch.float32,
                             fast_accum: bool = False, config: dict | None = None):
@@ -152,7 +162,7 @@ def grouped_fp8_gemm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
     (M, K), (G, N, _) = a.shape, b.shape
     forced = config is not None
     config = dict(config or default_config(a.device))
-    blocks = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    blocks = _blocks(config)
     out = torch.empty((M, N), device=a.device, dtype=out_dtype)
     a, b = _tma_ready(a), _tma_ready(b.reshape(G * N, K))
     a_desc = TensorDescriptor.from_tensor(a, [blocks["BLOCK_M"], blocks["BLOCK_K"]])
@@ -173,7 +183,7 @@ def grouped_fp8_wgrad_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
     (M, _), N, G = a.shape, b.shape[0], group_sizes.numel()
     forced = config is not None
     config = dict(config or default_config(a.device))
-    blocks = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    blocks = _blocks(config)
     out = torch.empty((G, M, N), device=a.device, dtype=torch.float32)
     a_desc = TensorDescriptor.from_tensor(_tma_ready(a), [blocks["BLOCK_M"], blocks["BLOCK_K"]])
     b_desc = TensorDescriptor.from_tensor(_tma_ready(b), [blocks["BLOCK_N"], blocks["BLOCK_K"]])

@@ -5,7 +5,9 @@ kernels keep the loop."""
 import pytest
 import torch
 
-from fp8_testing import sqnr_db
+from torch.utils.checkpoint import checkpoint
+
+from fp8_testing import SavedBytes, attach_main_grads, sqnr_db
 from megafp8.fp8 import Fp8Recipe, Fp8ScalingManager, apply_precision_map, enable_fp8_telemetry
 from megafp8.fp8 import grouped_linear_function
 from megafp8.model.config import ModelConfig
@@ -87,7 +89,9 @@ def test_grouped_fp8_experts_with_the_triton_kernel_follow_the_loop(name, monkey
     if device == "cpu":
         monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "triton")
     recipe = Fp8Recipe(**GROUPED[name])
+    counter = _CountGroupedGemms(monkeypatch)
     expected, got = _run(_layer(recipe, False, device), steps=1), _run(_layer(recipe, True, device), steps=1)
+    assert (counter.calls, counter.wgrad_calls) == (4, 2)  # the grouped kernels ran
     for want, have in zip((*expected[:2], *expected[2]), (*got[:2], *got[2])):
         assert sqnr_db(have.cpu(), want.cpu()) >= 45.0
 
@@ -112,3 +116,73 @@ def test_smooth_swiglu_and_a_guard_switched_expert_keep_the_loop():
     experts[2].linear_fc2.guard_high_precision = False
     layer.activation = "smooth_swiglu"
     assert layer._grouped_fp8_recipe(experts) is None
+
+
+def _main_grad_run(layer: MoELayer, recompute: bool = False, freeze: str | None = None) -> list[torch.Tensor]:
+    """One step with fp32 main_grads (the ZeRO grad buffer's contract), optionally recomputed (torch.utils.checkpoint,
+    as --recompute-granularity full runs it) or with expert ``freeze``'s fc1 frozen; each expert parameter's
+    main_grad, its .grad kept None."""
+    attach_main_grads(layer, torch.float32)
+    if freeze is not None:
+        layer.experts.local_experts[freeze].linear_fc1.weight.requires_grad_(False)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 2, HIDDEN, generator=generator, requires_grad=True)
+    out = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+    (out * torch.randn(out.shape, generator=generator)).sum().backward()
+    assert all(p.grad is None for p in layer.experts.parameters())
+    return [p.main_grad.clone() for p in layer.experts.parameters()]
+
+
+@pytest.mark.parametrize("name", ["delayed", "blockwise"])
+def test_main_grads_under_recompute_and_frozen_experts_are_the_loops(name, monkeypatch):
+    """The weight gradients land in the fp32 main_grad (not in .grad, rounded to the parameter's dtype first) under
+    recomputation too, where the op's saved copy of a weight is not the leaf; a frozen expert's main_grad stays 0;
+    a no-grad forward gives the loop's output and moves no scaling state."""
+    recipe = Fp8Recipe(**GROUPED[name])
+    counter = _CountGroupedGemms(monkeypatch)
+    plain = _main_grad_run(_layer(recipe, False))
+    for grouped in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(_main_grad_run(_layer(recipe, grouped), recompute=True), plain))
+    assert counter.wgrad_calls == 2
+    frozen = [_layer(recipe, grouped) for grouped in (False, True)]
+    loop_grads, grouped_grads = (_main_grad_run(layer, freeze="1") for layer in frozen)
+    assert all(torch.equal(a, b) for a, b in zip(loop_grads, grouped_grads))
+    assert not frozen[1].experts.local_experts["1"].linear_fc1.weight.main_grad.any()
+    x = torch.randn(30, 2, HIDDEN, generator=torch.Generator().manual_seed(4))
+    layers = [_layer(recipe, grouped).eval() for grouped in (False, True)]
+    with torch.no_grad():
+        outputs = [layer(x) for layer in layers]
+    assert torch.equal(*outputs)
+    states = [b for _, b in layers[1].named_buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(states, [b for _, b in _layer(recipe, True).named_buffers()]))
+
+
+def test_the_unfused_swiglu_saves_no_more_than_the_loops_fused_cast():
+    recipe = Fp8Recipe(**GROUPED["blockwise"])
+    x = torch.randn(40, 2, HIDDEN, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    saved = []
+    for grouped in (False, True):
+        layer = _layer(recipe, grouped)
+        with SavedBytes(layer.parameters()) as counted:
+            layer(x)
+        saved.append(counted.nbytes)
+    assert saved[1] <= saved[0], saved
+
+
+def test_a_module_hook_the_grouped_path_cannot_run_keeps_the_loop(monkeypatch):
+    """A forward hook on an expert linear (the re-run's non-finite finder puts one on every module) is called: the
+    layer runs the loop, which calls the modules; hooks that read no input (ZeRO's gather) keep the grouped path."""
+    counter = _CountGroupedGemms(monkeypatch)
+    layer = _layer(Fp8Recipe(**GROUPED["blockwise"]), True)
+    seen = []
+    handle = layer.experts.local_experts["2"].linear_fc2.register_forward_hook(lambda m, args, out: seen.append(out))
+    _run(layer, steps=1)
+    assert counter.calls == 0 and len(seen) == 1
+    handle.remove()
+
+    def gather(module, args):
+        seen.append(module)
+    gather.reads_no_input = True
+    layer.experts.local_experts["2"].linear_fc2.register_forward_pre_hook(gather)
+    _run(layer, steps=1)
+    assert counter.calls == 4 and seen[-1] is layer.experts.local_experts["2"].linear_fc2

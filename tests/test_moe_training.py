@@ -22,10 +22,11 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", 
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-shared-expert-intermediate-size", "16"]
 
 
-def _train(tmp_path, name: str, nproc: int, *flags: str, iters: int = 4) -> list[dict]:
+def _train(tmp_path, name: str, nproc: int, *flags: str, iters: int = 4, entry: list[str] | None = None) -> list[dict]:
+    """The per-iteration metrics of one run; ``entry``: what torchrun starts instead of ``-m megafp8.pretrain``."""
     log_dir = tmp_path / name
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megafp8.pretrain", *LLAMA_FLAGS, *MOE, "--mock-data", "--tokenizer-type", "NullTokenizer",
+               *(entry or ["-m", "megafp8.pretrain"]), *LLAMA_FLAGS, *MOE, "--mock-data", "--tokenizer-type", "NullTokenizer",
                "--vocab-size", "200", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
                "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
                "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
@@ -199,9 +200,13 @@ def test_the_fp8_zero_paths_work_for_experts_over_their_expert_data_parallel_gro
                for r, p in zip(gathered, plain))  # FP8 bytes on the wire
     # --moe-grouped-gemm on the gathered FP8 weights: fprop, dgrad and wgrad as grouped FP8 GEMMs, whose CPU twins are
     # the loop's GEMMs on the same operands: the same run to the bit.
-    grouped = _train(tmp_path, "ep2-fp8-param-gather-grouped", 4, *ep2, "--fp8-param-gather", "--moe-grouped-gemm")
+    grouped = _train(tmp_path, "ep2-fp8-param-gather-grouped", 4, *ep2, "--fp8-param-gather", "--moe-grouped-gemm",
+                     entry=[os.path.join(REPO_ROOT, "tests", "counted_grouped_gemm_entry.py")])
     assert [(r["lm_loss"], r["grad_norm"], r["moe_tokens_per_expert"]) for r in grouped] == [
         (r["lm_loss"], r["grad_norm"], r["moe_tokens_per_expert"]) for r in gathered]
+    for rank in range(4):  # 4 iterations x 1 micro-batch (DP4) x 3 MoE layers x (fc1, fc2): fprop + dgrad, and wgrad
+        calls = json.loads((tmp_path / "ep2-fp8-param-gather-grouped" / f"grouped_gemm_calls.{rank}.json").read_text())
+        assert calls == {"grouped_fp8_gemm": 4 * 3 * 2 * 2, "grouped_fp8_wgrad": 4 * 3 * 2}, calls
     everything = _train(tmp_path, "ep2-fp8-zero", 4, *ep2, "--fp8-param-gather", "--fp8-grad-reduce",
                         "--master-weight-dtype", "fp16")
     for a, e in zip(everything, plain):

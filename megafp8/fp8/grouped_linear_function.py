@@ -64,9 +64,15 @@ def grouped_fp8_ready(linears: list[Fp8GemmModule]) -> Fp8Recipe | None:
         return None
     if any(linear.kurtosis_enabled or linear.grad_noise_probe is not None or linear.forced_overflow_factor is not None
            or linear.wgrad_deferral is not None or linear.smooths_input or getattr(linear, "bias", None) is not None
-           or getattr(linear, "output_multiplier", None) is not None for linear in linears):
+           or getattr(linear, "output_multiplier", None) is not None or _split(linear) for linear in linears):
         return None
     return recipe
+
+
+def _split(linear: Fp8GemmModule) -> bool:
+    """Whether the linear is split over ranks (its op then moves operands over its group): whole experts only."""
+    tp = getattr(linear, "tp", None)
+    return tp is not None and tp.size > 1
 
 
 def _rows_operand(parts: list[Float8Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +114,31 @@ def _grouped_gemm(rows: list[Float8Tensor], weights: list[Float8Tensor], ends: t
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """Each expert's row count (padded as the loop pads them), on the host and, once per MoE layer call for its two
+    linears, on the device: ``ends`` (cumulative) for fprop and dgrad, ``counts`` for wgrad."""
+
+    sizes: tuple[int, ...]
+    ends: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, sizes: list[int], device: torch.device) -> ExpertRows:
+        """One copy to the device, from pinned memory and not waited for on CUDA (no host sync)."""
+        cuda = device.type == "cuda"
+        host = torch.tensor([*itertools.accumulate(sizes), *sizes], dtype=torch.int32, pin_memory=cuda)
+        both = host.to(device, non_blocking=cuda)
+        return cls(tuple(sizes), both[:len(sizes)], both[len(sizes):])
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedArgs:
-    """The non-tensor inputs of one grouped call: the experts' linears, their recipe, each one's row count (padded as
-    the loop pads them), their FP8 weights for this step, and whether to feed delayed-scaling histories."""
+    """The non-tensor inputs of one grouped call: the experts' linears, their recipe, their rows, their FP8 weights for
+    this step, and whether to feed delayed-scaling histories."""
 
     recipe: Fp8Recipe
     linears: tuple[Fp8GemmModule, ...]
-    sizes: tuple[int, ...]
+    rows: ExpertRows
     weights_fp8: tuple[Float8Tensor, ...]
     observe: bool
 
@@ -123,45 +147,47 @@ class _GroupedFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, args: GroupedArgs, *weights: torch.Tensor) -> torch.Tensor:
         needs_wgrad = any(ctx.needs_input_grad[2:])
+        sizes = args.rows.sizes
         parts = [quantize_operand(chunk, args.recipe, "input", linear.scaling_state("input", args.recipe),
                                   needs_wgrad, linear, observe=args.observe)
-                 for chunk, linear in zip(rows.split(args.sizes), args.linears)]
-        ends = torch.tensor(list(itertools.accumulate(args.sizes)), dtype=torch.int32, device=rows.device)
-        y = _grouped_gemm(parts, list(args.weights_fp8), ends, rows.dtype, args.recipe.fast_accum("fprop"))
+                 for chunk, linear in zip(rows.split(sizes), args.linears)]
+        y = _grouped_gemm(parts, list(args.weights_fp8), args.rows.ends, rows.dtype, args.recipe.fast_accum("fprop"))
         ctx.args, ctx.x_dtype, ctx.x_kind = args, rows.dtype, (parts[0].format, parts[0].layout)
-        saved = [t for p in parts for t in p.col_major()] if needs_wgrad else []
-        ctx.save_for_backward(ends, *weights, *saved)  # x^T of each expert in FP8, as the loop saves it
+        # The leaves themselves: under recomputation (torch.utils.checkpoint) a saved copy of a weight is another
+        # object, without its main_grad.
+        ctx.weight_params = weights
+        ctx.save_for_backward(*(t for p in parts for t in p.col_major()) if needs_wgrad else ())  # x^T in FP8
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        args = ctx.args
-        ends, *saved = ctx.saved_tensors
-        weights, x_t = saved[:len(args.linears)], saved[len(args.linears):]
-        needs_wgrad = any(ctx.needs_input_grad[2:])
+        args, x_t = ctx.args, ctx.saved_tensors
+        needs_weight_grad = ctx.needs_input_grad[2:]
+        needs_wgrad = any(needs_weight_grad)
         dy = grad_output.contiguous()
         dy_parts = [quantize_operand(chunk, args.recipe, "grad_output",
                                      linear.scaling_state("grad_output", args.recipe), needs_wgrad, linear,
                                      observe=args.observe)
-                    for chunk, linear in zip(dy.split(args.sizes), args.linears)]
+                    for chunk, linear in zip(dy.split(args.rows.sizes), args.linears)]
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            grad_rows = _grouped_gemm(dy_parts, [w.t() for w in args.weights_fp8], ends, ctx.x_dtype)
-        grad_weights = [None] * len(weights)
+            grad_rows = _grouped_gemm(dy_parts, [w.t() for w in args.weights_fp8], args.rows.ends, ctx.x_dtype)
+        grad_weights = [None] * len(ctx.weight_params)
         if needs_wgrad:
             x_format, x_layout = ctx.x_kind
             x_parts = [Float8Tensor((n, x_t[2 * e].shape[0]), x_format, x_layout, data_t=x_t[2 * e],
-                                    scale_inv_t=x_t[2 * e + 1]) for e, n in enumerate(args.sizes)]
+                                    scale_inv_t=x_t[2 * e + 1]) for e, n in enumerate(args.rows.sizes)]
             dy_t, dy_scale = _side_by_side_operand(dy_parts)
             x_t_all, x_scale = _side_by_side_operand(x_parts)
             layouts = tuple(PER_ROW if p.layout == PER_TENSOR else p.layout for p in (dy_parts[0], x_parts[0]))
-            sizes = torch.tensor(args.sizes, dtype=torch.int32, device=dy.device)
-            grads = grouped_fp8_wgrad(dy_t, x_t_all, dy_scale, x_scale, sizes, layouts=layouts)
-            grad_weights = [route_grad(weight, grad) for weight, grad in zip(weights, grads)]
+            grads = grouped_fp8_wgrad(dy_t, x_t_all, dy_scale, x_scale, args.rows.counts, layouts=layouts)
+            # Only where autograd asks (a frozen expert's main_grad stays as it is, as in the loop).
+            grad_weights = [route_grad(weight, grad) if needed else None
+                            for weight, grad, needed in zip(ctx.weight_params, grads, needs_weight_grad)]
         return grad_rows, None, *grad_weights
 
 
-def grouped_fp8_linear(rows: torch.Tensor, sizes: list[int], linears: list[Fp8GemmModule],
+def grouped_fp8_linear(rows: torch.Tensor, expert_rows: ExpertRows, linears: list[Fp8GemmModule],
                        recipe: Fp8Recipe) -> torch.Tensor:
     """``rows [sum(sizes), in]``, expert e's ``sizes[e]`` rows after the ones before it -> ``[sum(sizes), out]``, each
     expert's rows through its linear in FP8 (``recipe``: ``grouped_fp8_ready``); the weights' gradients go where the
@@ -172,5 +198,5 @@ def grouped_fp8_linear(rows: torch.Tensor, sizes: list[int], linears: list[Fp8Ge
     weights_fp8 = tuple(linear.fp8_weight(recipe, weight, observe) for linear, weight in zip(linears, weights))
     if not grad:
         rows, weights = rows.detach(), [w.detach() for w in weights]
-    args = GroupedArgs(recipe, tuple(linears), tuple(sizes), weights_fp8, observe)
+    args = GroupedArgs(recipe, tuple(linears), expert_rows, weights_fp8, observe)
     return _GroupedFp8Linear.apply(rows, args, *weights)

@@ -211,7 +211,7 @@ def _transposed_parts(q: Float8Tensor) -> TransposedShard:
     return TransposedShard(*q.col_major(), q.global_scale_inv_t)
 
 
-def logical_shape(payload: torch.Tensor, fmt) -> tuple[int, int]:
+def _logical_shape(payload: torch.Tensor, fmt) -> tuple[int, int]:
     """(rows, cols) of the tensor a payload holds: a packed 4-bit payload holds two elements per byte."""
     rows, cols = payload.shape
     return rows, cols * 8 // fmt.bits
@@ -227,7 +227,7 @@ def route_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def weight_gradient(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
+def _wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
            column_scale: torch.Tensor | None) -> torch.Tensor | None:
     """dW = dY^T @ x from the transposed copies (as row-major operands), accumulated into an fp32 `main_grad`
     inside the GEMM where it can be."""
@@ -248,8 +248,8 @@ def _deferred_wgrad(dy_t: Float8Tensor, x_t: Float8Tensor, weight: torch.Tensor,
         x_t_full = x_t
         if args.sp_input is not None:  # this rank's x^T columns: gathered over TP now, in W
             data_t = args.sp_input.gather_cols_async(x_t.data).wait()
-            x_t_full = dataclasses.replace(x_t, shape=logical_shape(data_t, x_t.format), data=data_t)
-        return weight_gradient(dy_t, x_t_full, weight, args.wgrad_column_scale)
+            x_t_full = dataclasses.replace(x_t, shape=_logical_shape(data_t, x_t.format), data=data_t)
+        return _wgrad(dy_t, x_t_full, weight, args.wgrad_column_scale)
     return run
 
 
@@ -320,18 +320,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         deferral = getattr(layer, "wgrad_deferral", None)
         if deferral is not None and needs_wgrad and args.observe:
             deferral.expect(weight)  # a zero-bubble stage's W pass delivers this gradient (deferred_wgrad.py)
-        # The leaf itself: a recomputed forward's saved copy of it (torch.utils.checkpoint) is another object.
-        ctx.args, ctx.weight_fp8, ctx.weight_param = args, weight_fp8, weight  # the module owns the FP8 weight
+        # The leaves themselves, whose gradients go to their main_grad: a recomputed forward's saved copy of one
+        # (torch.utils.checkpoint) is another object, without it (its gradient would round to the parameter's dtype
+        # in .grad first).
+        ctx.weight_param, ctx.bias_param = weight, bias
+        ctx.args, ctx.weight_fp8 = args, weight_fp8  # the module owns the FP8 weight
         ctx.x_dtype, ctx.x_shape, ctx.x_kind = x_dtype, x_shape, (x_fp8.format, x_fp8.layout)
         ctx.probe_x = probe_x
         # A prologue's output is not saved in high precision: its backward needs only its input, params and extras.
-        ctx.save_for_backward(*(x_t or (None, None, None)), weight, bias,
-                              *((raw, *prologue_params, *extras) if prologue else ()))
+        ctx.save_for_backward(*(x_t or (None, None, None)), *((raw, *prologue_params, *extras) if prologue else ()))
         return y.view(-1, *x_shape[1:-1], y.shape[-1])  # dim 0 changes by the TP size under sequence parallel
 
     @staticmethod
     def backward(ctx, grad_output):
-        x_t, x_scale_t, x_global_t, weight, bias, *prologue_saved = ctx.saved_tensors
+        x_t, x_scale_t, x_global_t, *prologue_saved = ctx.saved_tensors
+        weight, bias = ctx.weight_param, ctx.bias_param
         args = ctx.args
         recipe, layer = args.recipe, args.layer
         prologue_needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]) if args.prologue is not None else ()
@@ -378,7 +381,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_weight = None
         if needs_wgrad:
             x_format, x_layout = ctx.x_kind
-            x_t_operand = Float8Tensor(logical_shape(x_t, x_format), x_format, x_layout, x_t, x_scale_t,
+            x_t_operand = Float8Tensor(_logical_shape(x_t, x_format), x_format, x_layout, x_t, x_scale_t,
                                        global_scale_inv=x_global_t)
         if needs_wgrad and ctx.probe_x is not None:  # (never under SP: x_t_operand is the whole x^T)
             layer.grad_noise_probe.record(dy2d, ctx.probe_x, scaled_gemm(dy_fp8.t(), x_t_operand,
@@ -390,8 +393,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         elif needs_wgrad:
             if x_t_pending is not None:
                 data_t = x_t_pending.wait()
-                x_t_operand = dataclasses.replace(x_t_operand, shape=logical_shape(data_t, x_format), data=data_t)
-            grad_weight = weight_gradient(dy_fp8.t(), x_t_operand, weight, args.wgrad_column_scale)
+                x_t_operand = dataclasses.replace(x_t_operand, shape=_logical_shape(data_t, x_format), data=data_t)
+            grad_weight = _wgrad(dy_fp8.t(), x_t_operand, weight, args.wgrad_column_scale)
 
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
@@ -408,12 +411,12 @@ class _BiasAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, bias):
-        ctx.save_for_backward(bias)
+        ctx.bias = bias  # the leaf, with its main_grad (see _Fp8LinearFunction.forward)
         return y + bias
 
     @staticmethod
     def backward(ctx, grad_output):
-        (bias,) = ctx.saved_tensors
+        bias = ctx.bias
         grad_bias = None
         if ctx.needs_input_grad[1]:
             grad_bias = route_grad(bias, grad_output.reshape(-1, bias.numel()).sum(dim=0, dtype=torch.float32))

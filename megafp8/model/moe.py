@@ -12,7 +12,8 @@ context parallelism: routing is per token, so nothing is gathered)::
                                 --moe-token-dispatcher-type allgather every rank gathers every token, runs its
                                 experts on their choices and the per-token sums are reduce-scattered back
     experts                  -> expert e's SwiGLU MLP on its rows, a loop of GEMMs (each an FP8 linear under the
-                                run's recipe, like the dense MLP's; split over the etp group with ETP > 1)
+                                run's recipe, like the dense MLP's; split over the etp group with ETP > 1), or with
+                                --moe-grouped-gemm grouped GEMMs over every local expert (megafp8.model.grouped_gemm)
     combine                  -> each row times its weight, the k rows of a token summed in fp32 in a fixed order
     + shared experts         -> a dense MLP of --moe-shared-expert-intermediate-size on every token
 
@@ -42,9 +43,10 @@ from torch import nn
 
 from megafp8.fp8 import swiglu
 from megafp8.fp8.autocast import resolve_recipe
-from megafp8.model.config import ModelConfig
 from megafp8.fp8.grouped_linear_function import grouped_fp8_ready
-from megafp8.model.grouped_gemm import grouped_fp8_mlp, grouped_gemm_supported, grouped_linear, run_forward_pre_hooks
+from megafp8.model.config import ModelConfig
+from megafp8.model.grouped_gemm import (grouped_fp8_mlp, grouped_gemm_supported, grouped_linear, hooks_allow_grouping,
+                                        run_forward_pre_hooks)
 from megafp8.model.mlp import MLP
 from megafp8.model.router import TopKRouter
 from megafp8.parallel import collectives as C
@@ -153,9 +155,10 @@ class MoELayer(nn.Module):
 
     def _run_experts(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
                      capacity: int | None) -> torch.Tensor:
-        """Each expert on its rows (a loop of GEMMs). The loop needs each expert's row count on the host: one read per
-        layer and micro-batch, as Megatron's dropless dispatch. Padded to capacity (--moe-pad-expert-input-to-capacity)
-        the rows are placed in an ``[E x capacity, h]`` grid on the device instead: static sizes, nothing read.
+        """Each expert on its rows (a loop of GEMMs, or grouped FP8 GEMMs on the same padded rows with
+        --moe-grouped-gemm). Both need each expert's row count on the host: one read per layer and micro-batch, as
+        Megatron's dropless dispatch. Padded to capacity (--moe-pad-expert-input-to-capacity) the rows are placed in an
+        ``[E x capacity, h]`` grid on the device instead: static sizes, nothing read.
 
         Zero rows pad each expert's input (``_row_alignment``): to a multiple of 16 while the expert runs in FP8 or
         FP4 (the wgrad GEMM's K is the token count: cuBLAS FP8 GEMMs need it divisible by 16, NVFP4's Hadamard
@@ -198,19 +201,22 @@ class MoELayer(nn.Module):
 
     def _runs_grouped(self, rows: torch.Tensor) -> bool:
         """--moe-grouped-gemm applies: every local expert's linears run in high precision now, whole (ETP 1), with a
-        gated activation, on rows torch._grouped_mm takes (megafp8.model.grouped_gemm); else the loop, its twin. No
-        rows at all also take the loop (a grouped wgrad over zero rows is refused on GPUs)."""
+        gated activation and no output multiplier, on rows torch._grouped_mm takes, with no hook the grouped path
+        cannot run (megafp8.model.grouped_gemm); else the loop, its twin. No rows at all also take the loop (a grouped
+        wgrad over zero rows is refused on GPUs)."""
         if not (self.grouped_gemm and self.etp.size == 1 and self.activation != "xielu" and rows.shape[0] > 0
-                and grouped_gemm_supported(rows.dtype, rows.device)):
+                and grouped_gemm_supported(rows.dtype, rows.device)
+                and hooks_allow_grouping(self.experts.local_experts.modules())):
             return False
-        return not any(_runs_low_precision(m) for e in self.experts.local_experts.values()
-                       for m in (e.linear_fc1, e.linear_fc2))
+        linears = [m for e in self.experts.local_experts.values() for m in (e.linear_fc1, e.linear_fc2)]
+        return not any(_runs_low_precision(m) or m.output_multiplier is not None for m in linears)
 
     def _grouped_fp8_recipe(self, experts: list[MLP]):
         """--moe-grouped-gemm with FP8 experts: the recipe every local expert's linears run now, when the grouped FP8
-        path runs them as the loop would (whole experts, SwiGLU, a recipe with a grouped kernel:
+        path runs them as the loop would (whole experts, SwiGLU, a recipe with grouped kernels, no hook it cannot run:
         megafp8.fp8.grouped_linear_function.grouped_fp8_ready); else None, and the loop runs."""
-        if not (self.grouped_gemm and self.etp.size == 1 and self.activation == "swiglu"):
+        if not (self.grouped_gemm and self.etp.size == 1 and self.activation == "swiglu"
+                and hooks_allow_grouping(self.experts.local_experts.modules())):
             return None
         return grouped_fp8_ready([m for e in experts for m in (e.linear_fc1, e.linear_fc2)])
 

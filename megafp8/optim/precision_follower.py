@@ -64,3 +64,5 @@ class PrecisionFollower:
             if frag.param in params:
                 opt.write_high_precision(frag)
         ddp.gather_switched_weights(switched)
+
+    _before_forward.reads_no_input = True  # grouped MoE GEMMs run it by hand (megafp8.model.grouped_gemm)

@@ -460,6 +460,8 @@ class DistributedDataParallel(nn.Module):
                 self._start_param_gather(self.buckets[bucket.index - 1])
             self._finish_param_gather(bucket)
 
+    _param_sync_pre_hook.reads_no_input = True  # grouped MoE GEMMs run it by hand (megafp8.model.grouped_gemm)
+
     def _inject_fp8_weights(self, bucket: Bucket) -> None:
         for p in bucket.params:
             info = self.fp8_params.get(p)

@@ -624,7 +624,8 @@ def grouped_gemm_cases():
         if mode is GemmScaleMode.ROWWISE:
             sa, sb = torch.ones(M, 1), torch.ones(groups, N, 1)
         else:
-            sa, sb = torch.ones(K // 128, M).t(), torch.ones(groups, N // 128, K // 128)
+            # Row-major 1x128 scales: the concatenation of the experts' scales the MoE path hands over
+            sa, sb = torch.ones(M, K // 128), torch.ones(groups, N // 128, K // 128)
         yield label, GROUPED_GEMM_KERNEL_NAME, lambda a=a, sa=sa, sb=sb, mode=mode, fast=fast: \
             grouped_fp8_gemm_triton(a, b, sa, sb, ends, mode, torch.bfloat16, fast, config=SM90_CONFIG)
 
