@@ -135,7 +135,7 @@ def _grouped_fp8_wgrad_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr, 
 # interpreter, so a test's few rows span several tiles and groups.
 SM90_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=BLOCK, num_warps=8, num_stages=3)
 FALLBACK_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
-_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=BLOCK, num_warps=4, num_stages=1)
+_INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=BLOCK, num_warps=4, num_stages=1)
 
 
 def default_config(device: torch.device) -> dict:

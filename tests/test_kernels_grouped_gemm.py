@@ -46,7 +46,7 @@ def _loop(a, b, sa, sb, sizes, mode, out_dtype=torch.float32):
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("fmts", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3", "e5m2xe4m3"])
 def test_twin_is_the_loop_and_triton_matches_it(mode, fmts):
-    N, K = 72, 300  # N spans three 32-wide tiles, the last partial: a tile reads the next group's B rows
+    N, K = 72, 300  # N spans two 64-wide tiles, the last partial: a tile reads the next group's B rows
     _, _, a, b, sa, sb, ends = _operands(SIZES, N, K, mode, 1, *fmts)
     loop = _loop(a, b, sa, sb, SIZES, mode)
     twin = grouped_fp8_gemm(a, b, sa, sb, ends, layouts=mode.operand_layouts, backend="reference")

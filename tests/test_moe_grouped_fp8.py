@@ -32,12 +32,12 @@ def _layer(recipe: Fp8Recipe | None, grouped: bool, device: str = "cpu") -> MoEL
     return layer.to(device)
 
 
-def _run(layer: MoELayer, steps: int = 2, seed: int = 1):
+def _run(layer: MoELayer, steps: int = 2, seed: int = 1, tokens: int = 40):
     """Two forward/backward passes (the second under the first's delayed scales); output, input grad, weight grads."""
     generator = torch.Generator().manual_seed(seed)
     device = layer.router.weight.device
     for _ in range(steps):
-        x = torch.randn(40, 2, HIDDEN, generator=generator).to(device).requires_grad_()
+        x = torch.randn(tokens, 2, HIDDEN, generator=generator).to(device).requires_grad_()
         out = layer(x)
         (out * torch.randn(out.shape, generator=generator).to(device)).sum().backward()
         Fp8ScalingManager(layer, None).update()
@@ -90,7 +90,8 @@ def test_grouped_fp8_experts_with_the_triton_kernel_follow_the_loop(name, monkey
         monkeypatch.setenv("MEGAFP8_KERNEL_BACKEND", "triton")
     recipe = Fp8Recipe(**GROUPED[name])
     counter = _CountGroupedGemms(monkeypatch)
-    expected, got = _run(_layer(recipe, False, device), steps=1), _run(_layer(recipe, True, device), steps=1)
+    tokens = 40 if device == "cuda" else 12  # the interpreter's time grows with the rows' tiles
+    expected, got = (_run(_layer(recipe, grouped, device), steps=1, tokens=tokens) for grouped in (False, True))
     assert (counter.calls, counter.wgrad_calls) == (4, 2)  # the grouped kernels ran
     for want, have in zip((*expected[:2], *expected[2]), (*got[:2], *got[2])):
         assert sqnr_db(have.cpu(), want.cpu()) >= 45.0
