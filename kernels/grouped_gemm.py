@@ -12,7 +12,7 @@ from .custom_op_startup import run_eagerly_until_dynamo
 from .dispatch import resolve_backend
 from .formats import ScaleLayout, scale_layout
 from .grouped_gemm_reference import grouped_fp8_gemm_reference, grouped_fp8_wgrad_reference
-from .scaling import BLOCK, GEMM_OUT_DTYPES, GemmScaleMode, check_gemm_args
+from .scaling import BLOCK, GEMM_OUT_DTYPES, GemmScaleMode, check_gemm_args, check_gemm_dtypes
 
 GROUPED_MODES = (GemmScaleMode.ROWWISE, GemmScaleMode.BLOCKWISE)
 GROUPED_WGRAD_MODES = (GemmScaleMode.ROWWISE, GemmScaleMode.BLOCKWISE_1X128)
@@ -103,7 +103,7 @@ def check_grouped_wgrad_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
         if tuple(scale.shape) != shape or scale.dtype != torch.float32:
             raise ValueError(f"{name} of a {mode.value} grouped wgrad must be a float32 {shape} tensor, got "
                              f"{scale.dtype} {tuple(scale.shape)}")
-    check_gemm_args(a[:, :BLOCK], b[:, :BLOCK], torch.ones(1), torch.ones(1), torch.float32, None, None, False)  # dtypes
+    check_gemm_dtypes(a, b)
     return mode
 
 

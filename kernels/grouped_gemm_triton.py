@@ -144,13 +144,16 @@ def default_config(device: torch.device) -> dict:
     return SM90_CONFIG if torch.cuda.get_device_capability(device)[0] == 9 else FALLBACK_CONFIG
 
 
-def _blocks(config: dict) -> dict:
-    """The tile sizes, taken out of a launch config. BLOCK_K is 128 always: one 1x128 scale group per K step, and the
-    wgrad's groups are padded to 128 columns."""
+def _launch_setup(a: torch.Tensor, b: torch.Tensor, config: dict | None):
+    """(tile sizes, the rest of the launch config, A's and B's TMA descriptors) of one launch; BLOCK_K is 128 always:
+    one 1x128 scale group per K step, and the wgrad's groups are padded to 128 columns."""
+    config = dict(config or default_config(a.device))
     blocks = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     if blocks["BLOCK_K"] != BLOCK:
         raise ValueError(f"the grouped FP8 GEMMs run BLOCK_K = {BLOCK}, got {blocks['BLOCK_K']}")
-    return blocks
+    a_desc = TensorDescriptor.from_tensor(_tma_ready(a), [blocks["BLOCK_M"], blocks["BLOCK_K"]])
+    b_desc = TensorDescriptor.from_tensor(_tma_ready(b), [blocks["BLOCK_N"], blocks["BLOCK_K"]])
+    return blocks, config, a_desc, b_desc
 
 
 def grouped_fp8_gemm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -161,12 +164,8 @@ def grouped_fp8_gemm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
     left unwritten."""
     (M, K), (G, N, _) = a.shape, b.shape
     forced = config is not None
-    config = dict(config or default_config(a.device))
-    blocks = _blocks(config)
+    blocks, config, a_desc, b_desc = _launch_setup(a, b.reshape(G * N, K), config)
     out = torch.empty((M, N), device=a.device, dtype=out_dtype)
-    a, b = _tma_ready(a), _tma_ready(b.reshape(G * N, K))
-    a_desc = TensorDescriptor.from_tensor(a, [blocks["BLOCK_M"], blocks["BLOCK_K"]])
-    b_desc = TensorDescriptor.from_tensor(b, [blocks["BLOCK_N"], blocks["BLOCK_K"]])
     blockwise = mode == GemmScaleMode.BLOCKWISE
     grid = ((triton.cdiv(M, blocks["BLOCK_M"]) + G) * triton.cdiv(N, blocks["BLOCK_N"]),)
     kernel = _grouped_fp8_gemm_kernel[grid](
@@ -182,11 +181,8 @@ def grouped_fp8_wgrad_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
     grouped_fp8_gemm_triton."""
     (M, _), N, G = a.shape, b.shape[0], group_sizes.numel()
     forced = config is not None
-    config = dict(config or default_config(a.device))
-    blocks = _blocks(config)
+    blocks, config, a_desc, b_desc = _launch_setup(a, b, config)
     out = torch.empty((G, M, N), device=a.device, dtype=torch.float32)
-    a_desc = TensorDescriptor.from_tensor(_tma_ready(a), [blocks["BLOCK_M"], blocks["BLOCK_K"]])
-    b_desc = TensorDescriptor.from_tensor(_tma_ready(b), [blocks["BLOCK_N"], blocks["BLOCK_K"]])
     blockwise = mode == GemmScaleMode.BLOCKWISE_1X128
     # Blockwise scales are (rows, K / 128) along the padded columns; rowwise ones (G, rows, 1), one set per group.
     sa_strides = (0, *scale_a.stride()) if blockwise else scale_a.stride()

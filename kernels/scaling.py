@@ -191,6 +191,15 @@ _GEMM_DTYPES = {
 GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_gemm_dtypes(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The FP8 operand pairs a GEMM takes, else one ValueError naming them."""
+    if (a.dtype, b.dtype) not in _GEMM_DTYPES:
+        raise ValueError(
+            f"unsupported FP8 GEMM operand dtypes {a.dtype} x {b.dtype}: supported are E4M3 x E4M3, "
+            "E5M2 x E4M3 and E4M3 x E5M2 (E5M2 x E5M2 has too few mantissa bits to be useful)"
+        )
+
+
 def check_gemm_args(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -206,11 +215,7 @@ def check_gemm_args(
     declared (A, B) `layouts` (ScaleLayouts or Granularity names) name, else the guess from the scale shapes."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_gemm wants A (M, K) and B (N, K) with the same K, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if (a.dtype, b.dtype) not in _GEMM_DTYPES:
-        raise ValueError(
-            f"unsupported FP8 GEMM operand dtypes {a.dtype} x {b.dtype}: supported are E4M3 x E4M3, "
-            "E5M2 x E4M3 and E4M3 x E5M2 (E5M2 x E5M2 has too few mantissa bits to be useful)"
-        )
+    check_gemm_dtypes(a, b)
     if out_dtype not in GEMM_OUT_DTYPES:
         raise ValueError(f"unsupported GEMM output dtype {out_dtype}: use float32, bfloat16 or float16")
     if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:

@@ -103,20 +103,19 @@ def test_recipes_without_a_grouped_kernel_keep_the_loop(scaling, monkeypatch):
     layer = _layer(Fp8Recipe(scaling=scaling), True)
     _run(layer, steps=1)
     assert counter.calls == counter.wgrad_calls == 0
-    experts = list(layer.experts.local_experts.values())
-    assert layer._grouped_fp8_recipe(experts) is None
+    assert layer._grouped_fp8_recipe() is None
 
 
 def test_smooth_swiglu_and_a_guard_switched_expert_keep_the_loop():
     recipe = Fp8Recipe(**GROUPED["blockwise"])
     layer = _layer(recipe, True)
     experts = list(layer.experts.local_experts.values())
-    assert layer._grouped_fp8_recipe(experts) == recipe
+    assert layer._grouped_fp8_recipe() == recipe
     experts[2].linear_fc2.guard_high_precision = True  # the guard switched one expert's fc2 alone
-    assert layer._grouped_fp8_recipe(experts) is None
+    assert layer._grouped_fp8_recipe() is None
     experts[2].linear_fc2.guard_high_precision = False
     layer.activation = "smooth_swiglu"
-    assert layer._grouped_fp8_recipe(experts) is None
+    assert layer._grouped_fp8_recipe() is None
 
 
 def _main_grad_run(layer: MoELayer, recompute: bool = False, freeze: str | None = None) -> list[torch.Tensor]:

@@ -30,11 +30,15 @@ from megafp8_kernels.formats import PER_ROW, PER_TENSOR
 from megafp8_kernels.grouped_gemm import (GROUPED_MODES, GROUPED_WGRAD_MODES, columns_side_by_side, grouped_fp8_gemm,
                                           grouped_fp8_wgrad)
 
-from .autocast import resolve_recipe
 from .linear import Fp8GemmModule
 from .linear_function import quantize_operand, route_grad
 from .recipe import Fp8Recipe
 from .tensor import Float8Tensor
+
+
+def _kernel_layout(layout):
+    """The layout a grouped kernel takes for an operand: a whole tensor's one scale arrives expanded to its rows."""
+    return PER_ROW if layout == PER_TENSOR else layout
 
 
 def _grouped_mode(recipe: Fp8Recipe, role_a: str, role_b: str, modes: tuple) -> GemmScaleMode | None:
@@ -42,7 +46,7 @@ def _grouped_mode(recipe: Fp8Recipe, role_a: str, role_b: str, modes: tuple) -> 
     a, b = recipe.quantizer(role_a), recipe.quantizer(role_b)
     if a.format.bits != 8 or b.format.bits != 8 or (a.layout == PER_TENSOR) != (b.layout == PER_TENSOR):
         return None
-    layouts = tuple(PER_ROW if q.layout == PER_TENSOR else q.layout for q in (a, b))  # scalars expand to rows
+    layouts = (_kernel_layout(a.layout), _kernel_layout(b.layout))
     try:
         mode = GemmScaleMode.declared(*layouts)
     except ValueError:
@@ -52,7 +56,7 @@ def _grouped_mode(recipe: Fp8Recipe, role_a: str, role_b: str, modes: tuple) -> 
 
 def grouped_fp8_ready(linears: list[Fp8GemmModule]) -> Fp8Recipe | None:
     """The recipe all these linears run now, if the grouped FP8 path runs them as the loop would; else None."""
-    recipes = {resolve_recipe(linear.recipe, linear.runs_high_precision) for linear in linears}
+    recipes = {linear.active_recipe for linear in linears}
     if len(recipes) != 1:
         return None
     (recipe,) = recipes
@@ -108,7 +112,7 @@ def _grouped_gemm(rows: list[Float8Tensor], weights: list[Float8Tensor], ends: t
                   fast_accum: bool = False) -> torch.Tensor:
     a, scale_a = _rows_operand(rows)
     b, scale_b = _stacked_operand(weights)
-    layouts = tuple(PER_ROW if t.layout == PER_TENSOR else t.layout for t in (rows[0], weights[0]))
+    layouts = (_kernel_layout(rows[0].layout), _kernel_layout(weights[0].layout))
     return grouped_fp8_gemm(a, b, scale_a, scale_b, ends, layouts=layouts, out_dtype=out_dtype,
                             fast_accum=fast_accum and layouts[0] == PER_ROW)
 
@@ -179,7 +183,7 @@ class _GroupedFp8Linear(torch.autograd.Function):
                                     scale_inv_t=x_t[2 * e + 1]) for e, n in enumerate(args.rows.sizes)]
             dy_t, dy_scale = _side_by_side_operand(dy_parts)
             x_t_all, x_scale = _side_by_side_operand(x_parts)
-            layouts = tuple(PER_ROW if p.layout == PER_TENSOR else p.layout for p in (dy_parts[0], x_parts[0]))
+            layouts = (_kernel_layout(dy_parts[0].layout), _kernel_layout(x_parts[0].layout))
             grads = grouped_fp8_wgrad(dy_t, x_t_all, dy_scale, x_scale, args.rows.counts, layouts=layouts)
             # Only where autograd asks (a frozen expert's main_grad stays as it is, as in the loop).
             grad_weights = [route_grad(weight, grad) if needed else None

@@ -62,6 +62,11 @@ class Fp8GemmModule(nn.Module):
     def runs_high_precision(self) -> bool:
         return self.force_high_precision or self.guard_high_precision
 
+    @property
+    def active_recipe(self) -> Fp8Recipe | None:
+        """The recipe this layer's GEMMs run now: its own or fp8_autocast's, None in high precision."""
+        return resolve_recipe(self.recipe, self.runs_high_precision)
+
     # ---- recipe and delayed-scaling state ----
     def set_recipe(self, recipe: Fp8Recipe | None) -> None:
         if recipe != self.recipe:
@@ -128,7 +133,7 @@ class Fp8GemmModule(nn.Module):
         megafp8.model.compile calls it before a compiled layer runs, so that the compiled graph reads the cached
         weight (dynamo cannot trace the cache's data_ptr/_version/scale_version key) instead of quantizing it in
         every micro-batch. A no-op in high precision and under Smooth-SwiGLU (whose W / s changes per input)."""
-        recipe = resolve_recipe(self.recipe, self.runs_high_precision)
+        recipe = self.active_recipe
         weight = getattr(self, "weight", None)
         if recipe is not None and isinstance(weight, torch.Tensor) and not self.smooths_input:
             self.fp8_weight(recipe, weight, observe=torch.is_grad_enabled() and self.training)
@@ -232,7 +237,7 @@ class Fp8GemmModule(nn.Module):
         sp_input / sp_output / tp_input: tensor-parallel communication done inside the FP8 op (see
                              fp8_linear); the high-precision callable must then do the same itself.
         """
-        recipe = resolve_recipe(self.recipe, self.runs_high_precision)
+        recipe = self.active_recipe
         if prologue is not None and (recipe is None or torch.compiler.is_compiling()):
             x, prologue = prologue.apply(x, *prologue.params()), None
         if recipe is None:

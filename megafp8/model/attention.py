@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megafp8.fp8.autocast import resolve_recipe
 from megafp8.fp8.dot_product_attention import ROLES, Fp8AttentionFormats, Fp8Blocks
 from megafp8.fp8.prologue import RMSNormPrologue
 from megafp8.fp8.recipe import Fp8Recipe
@@ -99,7 +98,7 @@ class SelfAttention(nn.Module):
         with it, and fp8_autocast(enabled=False) turns both off), else None (high precision)."""
         if not self.fp8_dot_product_attention:
             return None
-        recipe = resolve_recipe(self.linear_qkv.recipe, self.linear_qkv.runs_high_precision)
+        recipe = self.linear_qkv.active_recipe
         return recipe if recipe is not None and recipe.element_bits == 8 else None
 
     def fp8_blocks(self) -> Fp8Blocks | None:

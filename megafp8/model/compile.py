@@ -34,7 +34,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megafp8.fp8.autocast import resolve_recipe
 from megafp8.fp8.kurtosis import add_moments_slot
 from megafp8.fp8.linear import Fp8GemmModule
 from megafp8.fp8.scaling_state import ScalingState
@@ -63,7 +62,7 @@ class _EagerPrologueThenCompiled:
         gradient's, and the weight's where the layer quantizes its own (megafp8.fp8.telemetry), and the input's
         moments on the kurtosis monitor's iterations (megafp8.fp8.kurtosis)."""
         for m in self.fp8_modules:
-            if resolve_recipe(m.recipe, m.runs_high_precision) is None:
+            if m.active_recipe is None:
                 continue
             if m.telemetry_enabled:
                 roles = ("input", "grad_output") + (("weight",) if m._injected_weight is None else ())

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import nn
 
-from megafp8.fp8 import swiglu
+from megafp8.fp8 import Fp8Recipe, swiglu
 from megafp8.fp8.autocast import resolve_recipe
 from megafp8.fp8.grouped_linear_function import grouped_fp8_ready
 from megafp8.model.config import ModelConfig
@@ -183,7 +183,7 @@ class MoELayer(nn.Module):
             padded = _round_up(max(most, 1), self._row_alignment(expert))
             n = chunk.shape[0]
             runs.append(chunk if padded == n else torch.cat([chunk, chunk.new_zeros(padded - n, chunk.shape[-1])]))
-        recipe = self._grouped_fp8_recipe(experts)
+        recipe = self._grouped_fp8_recipe()
         if recipe is not None:  # the same padded rows, two grouped FP8 GEMMs instead of the loop's
             outputs = grouped_fp8_mlp(experts, runs, recipe)
         else:
@@ -195,7 +195,7 @@ class MoELayer(nn.Module):
         """An expert's rows are padded to a multiple of this: 1 in high precision; 16 when one of its linears runs 8
         or 4 bits (the guard may switch one linear alone: each expert's own state, agreed by its holders), 32 under
         ETP (the MX recipes' sequence-split transpose groups 32 rows)."""
-        if not any(map(_runs_low_precision, (expert.linear_fc1, expert.linear_fc2))):
+        if expert.linear_fc1.active_recipe is None and expert.linear_fc2.active_recipe is None:
             return 1
         return 32 if self.etp.size > 1 else 16
 
@@ -204,21 +204,27 @@ class MoELayer(nn.Module):
         gated activation and no output multiplier, on rows torch._grouped_mm takes, with no hook the grouped path
         cannot run (megafp8.model.grouped_gemm); else the loop, its twin. No rows at all also take the loop (a grouped
         wgrad over zero rows is refused on GPUs)."""
-        if not (self.grouped_gemm and self.etp.size == 1 and self.activation != "xielu" and rows.shape[0] > 0
-                and grouped_gemm_supported(rows.dtype, rows.device)
-                and hooks_allow_grouping(self.experts.local_experts.modules())):
+        if not (self._may_group() and self.activation != "xielu" and rows.shape[0] > 0
+                and grouped_gemm_supported(rows.dtype, rows.device)):
             return False
-        linears = [m for e in self.experts.local_experts.values() for m in (e.linear_fc1, e.linear_fc2)]
-        return not any(_runs_low_precision(m) or m.output_multiplier is not None for m in linears)
+        return not any(m.active_recipe is not None or m.output_multiplier is not None for m in self._expert_linears())
 
-    def _grouped_fp8_recipe(self, experts: list[MLP]):
+    def _grouped_fp8_recipe(self) -> Fp8Recipe | None:
         """--moe-grouped-gemm with FP8 experts: the recipe every local expert's linears run now, when the grouped FP8
         path runs them as the loop would (whole experts, SwiGLU, a recipe with grouped kernels, no hook it cannot run:
         megafp8.fp8.grouped_linear_function.grouped_fp8_ready); else None, and the loop runs."""
-        if not (self.grouped_gemm and self.etp.size == 1 and self.activation == "swiglu"
-                and hooks_allow_grouping(self.experts.local_experts.modules())):
+        if not (self._may_group() and self.activation == "swiglu"):
             return None
-        return grouped_fp8_ready([m for e in experts for m in (e.linear_fc1, e.linear_fc2)])
+        return grouped_fp8_ready(self._expert_linears())
+
+    def _may_group(self) -> bool:
+        """What both grouped paths need: --moe-grouped-gemm, whole experts (ETP 1), and no module hook they cannot run
+        by hand (megafp8.model.grouped_gemm.hooks_allow_grouping)."""
+        return self.grouped_gemm and self.etp.size == 1 and hooks_allow_grouping(self.experts.local_experts.modules())
+
+    def _expert_linears(self) -> list[nn.Module]:
+        """Every local expert's fc1 and fc2."""
+        return [m for e in self.experts.local_experts.values() for m in (e.linear_fc1, e.linear_fc2)]
 
     def _capacity_grid(self, rows: torch.Tensor, row_experts: torch.Tensor, counts: torch.Tensor,
                        size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +244,7 @@ class MoELayer(nn.Module):
             rows, slots = self._capacity_grid(rows, row_experts, counts, capacity)
             counts = torch.full_like(counts, capacity)
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        for linear in (m for e in experts for m in (e.linear_fc1, e.linear_fc2)):
+        for linear in self._expert_linears():
             run_forward_pre_hooks(linear)  # its weight is read below without calling it
         gate_up = grouped_linear(rows, [e.linear_fc1.weight for e in experts], offsets)
         # Smooth-SwiGLU's channel scales cancel exactly in high precision: plain SwiGLU is the same function.
@@ -270,11 +276,6 @@ class MoELayer(nn.Module):
             self.stats[name] += value
         if self.router.enable_expert_bias:
             self.step_tokens_per_expert += losses["tokens_per_expert"]
-
-
-def _runs_low_precision(linear: nn.Module) -> bool:
-    """Whether an expert's linear runs an 8- or 4-bit recipe now (the guard may have switched it alone)."""
-    return resolve_recipe(linear.recipe, linear.runs_high_precision) is not None
 
 
 def _round_up(n: int, multiple: int) -> int:
